@@ -1,0 +1,62 @@
+"""`moemesh` command line: `moemesh generate "prompt"` runs the offline engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moemesh", description="Serve Mixture-of-Experts language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline with the engine")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def _generate(args) -> int:
+    from moemesh.engine.errors import MoemeshError
+    from moemesh.engine.llm import LLM
+    from moemesh.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop),
+        )
+        llm = LLM(model=args.model, dtype=args.dtype)
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(args.prompt, params)
+    except MoemeshError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    for prompt, output in zip(args.prompt, outputs):
+        if len(args.prompt) > 1:
+            print(f"--- {prompt!r}")
+        print(output.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The inference core: requests, paged KV cache, scheduler, model runner, offline API."""

@@ -1,0 +1,87 @@
+"""Engine configuration: a few typed dataclasses, validated once, then frozen.
+
+Values measured at start-up (how many KV blocks fit) live in `CacheBudget`, never written back
+into the config. No environment variable is read here or anywhere in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moemesh.engine.errors import ConfigError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how to run it."""
+
+    model: str  # GGUF file or Hugging Face directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the checkpoint's context length
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: P = block_size tokens per block; pool size by count or memory budget."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # exact pool size (the null block included); wins over memory
+    memory_gib: float = 2.0  # KV memory budget when num_blocks is None
+    enable_prefix_caching: bool = True
+    cache_salt: str = ""  # mixed into every block key; isolates tenants sharing a worker
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2 (one is the null block), got {self.num_blocks}")
+        if self.num_blocks is None and self.memory_gib <= 0:
+            raise ConfigError(f"memory_gib must be > 0, got {self.memory_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: per-round budget B_t = max_num_batched_tokens."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each round"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """Measured at start-up from the model's KV size per block and the configured budget."""
+
+    num_blocks: int  # including the reserved null block 0
+    block_size: int
+    bytes_per_block: int  # all layers, K and V
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1

@@ -1,0 +1,37 @@
+"""Paged attention layer: store the new tokens' K/V, then attend through block tables."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moemesh import kernels
+from moemesh.engine.layers.attention_metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the pool is sized: [num_blocks, block_size, kvh, head_dim]
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return kernels.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.block_tables,
+            meta.num_decode_reqs,
+            self.scale,
+        )

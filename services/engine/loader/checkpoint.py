@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from moemesh.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Checkpoint:
+    hf_config: dict  # Hugging Face config.json fields
+    tokenizer: Tokenizer
+    iter_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF names, float32/bf16 tensors
+    num_tensors: int
+    model_id: str  # identifies the weights in prefix-cache keys

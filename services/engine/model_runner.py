@@ -1,0 +1,162 @@
+"""Runs one round: flatten the scheduled requests into one varlen batch, run the model once,
+sample every request that reached the end of its known tokens in one vectorized call.
+
+Batch order: requests with one query token (decode) first, then prefill chunks. The runner keeps
+its own copy of each request (token ids, block ids) updated from the scheduler's deltas and the
+tokens it samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from moemesh.engine.config import CacheBudget, CacheConfig, ModelConfig
+from moemesh.engine.layers.attention_metadata import AttentionMetadata
+from moemesh.engine.loader.build import DTYPES
+from moemesh.engine.request import Logprob
+from moemesh.engine.sampler import Sampler, SamplingTensors
+from moemesh.engine.sampling_params import SamplingParams
+from moemesh.engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+
+
+def measure_cache_budget(model: nn.Module, model_config: ModelConfig, cache_config: CacheConfig) -> CacheBudget:
+    layers = model.attention_layers()
+    attn = layers[0]
+    elem = torch.empty((), dtype=DTYPES[model_config.dtype]).element_size()
+    bytes_per_block = len(layers) * 2 * cache_config.block_size * attn.num_kv_heads * attn.head_dim * elem
+    num_blocks = cache_config.num_blocks or max(2, int(cache_config.memory_gib * 2**30) // bytes_per_block)
+    return CacheBudget(num_blocks=num_blocks, block_size=cache_config.block_size, bytes_per_block=bytes_per_block)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, model_config: ModelConfig, budget: CacheBudget):
+        self.model = model
+        self.device = torch.device(model_config.device)
+        self.block_size = budget.block_size
+        dtype = DTYPES[model_config.dtype]
+        for attn in model.attention_layers():
+            shape = (budget.num_blocks, budget.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(model_config.seed))
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # -- state updates from the scheduler ------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_req_ids:
+            self.requests.pop(request_id, None)
+        for new in out.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, list(new.token_ids), new.sampling_params, list(new.block_ids),
+                new.num_computed_tokens, generator,
+            )  # fmt: skip
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # -- one round -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in order]
+        num_new = np.array([out.num_scheduled_tokens[r] for r in order], dtype=np.int64)  # [num_reqs]
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)  # [num_reqs]
+        cu = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        total = int(cu[-1])
+
+        token_ids = np.fromiter(
+            (t for s, a, n in zip(states, starts, num_new) for t in s.token_ids[a : a + n]), np.int64, total
+        )  # [num_tokens]
+        req_index = np.repeat(np.arange(len(order)), num_new)  # [num_tokens]
+        positions = np.arange(total) - np.repeat(cu[:-1], num_new) + np.repeat(starts, num_new)  # [num_tokens]
+        context_lens = starts + num_new  # [num_reqs]
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((len(order), max_blocks), dtype=np.int64)  # null block pads
+        for i, s in enumerate(states):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = block_tables[req_index, positions // self.block_size] * self.block_size
+        slot_mapping += positions % self.block_size  # [num_tokens]
+
+        sample_rows = np.nonzero(context_lens == np.array([len(s.token_ids) for s in states]))[0]
+        logits_indices = cu[1:][sample_rows] - 1  # [num_sampled]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping),
+            cu_seqlens_q=self._tensor(cu, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._tensor(block_tables, torch.int32),
+            num_decode_reqs=int(np.count_nonzero(num_new == 1)),
+        )
+        hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta)  # [num_tokens, hidden]
+        for state, n in zip(states, num_new):
+            state.num_computed_tokens += int(n)
+        if len(sample_rows) == 0:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[self._tensor(logits_indices)])  # [num_sampled, vocab]
+        sampled_states = [states[i] for i in sample_rows]
+        result = self.sampler(logits, self._sampling_tensors(sampled_states))
+        return self._collect(sampled_states, result)
+
+    def _collect(self, states: list[CachedRequestState], result) -> ModelRunnerOutput:
+        output = ModelRunnerOutput()
+        token_ids = result.token_ids.tolist()
+        lp = lp_ids = None
+        if result.logprobs is not None:
+            lp, lp_ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
+        for i, (state, token_id) in enumerate(zip(states, token_ids)):
+            state.token_ids.append(token_id)
+            output.sampled_token_ids[state.request_id] = token_id
+            n = state.sampling_params.logprobs
+            if n is not None:
+                top = dict(zip(lp_ids[i][1 : 1 + n], lp[i][1 : 1 + n]))
+                output.logprobs[state.request_id] = Logprob(token_id, lp[i][0], top)
+        return output
+
+    def _sampling_tensors(self, states: list[CachedRequestState]) -> SamplingTensors:
+        params = [s.sampling_params for s in states]
+        temperature = [0.0 if p.greedy else p.temperature for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        sampled = [p for p in params if not p.greedy]
+        return SamplingTensors(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=self.device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=self.device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=self.device),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            all_greedy=not sampled,
+            need_top_k=any(p.top_k > 0 for p in sampled),
+            need_top_p=any(p.top_p < 1 for p in sampled),
+            need_min_p=any(p.min_p > 0 for p in sampled),
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+
+    def _tensor(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=self.device, dtype=dtype)

@@ -1,0 +1,152 @@
+"""Llama: GQA attention with RoPE, RMSNorm, SwiGLU MLP, optionally tied embeddings.
+
+Serving-only forward over a flattened varlen batch: `forward(input_ids, positions, meta)`.
+q/k/v and gate/up projections are merged into one matmul each; `load_weights` maps the Hugging
+Face names onto the merged parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from moemesh.engine.layers.activation import SiluAndMul
+from moemesh.engine.layers.attention import Attention
+from moemesh.engine.layers.attention_metadata import AttentionMetadata
+from moemesh.engine.layers.layernorm import RMSNorm
+from moemesh.engine.layers.rotary import RotaryEmbedding
+from moemesh.engine.models.config import TransformerConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, meta):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF name fragment -> (merged parameter fragment, shard index)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [num_reqs, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden_states, weight)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; every parameter must be written exactly once."""
+        params = dict(self.named_parameters())
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.lm_head is None and name == "lm_head.weight":
+                continue  # tied: the embedding serves
+            for fragment, (merged, shard) in self.stacked_params.items():
+                if fragment in name:
+                    target = name.replace(fragment, merged)
+                    shards.setdefault(target, {})[shard] = tensor
+                    break
+            else:
+                _copy(params, name, tensor)
+                loaded.add(name)
+        for target, parts in shards.items():
+            num_parts = 3 if ".qkv_proj." in target else 2
+            missing = [i for i in range(num_parts) if i not in parts]
+            if missing:
+                raise ValueError(f"checkpoint lacks shard(s) {missing} of {target}")
+            _copy(params, target, torch.cat([parts[i] for i in range(num_parts)], dim=0))
+            loaded.add(target)
+        unloaded = set(params) - loaded
+        if unloaded:
+            raise ValueError(f"checkpoint lacks weights for: {sorted(unloaded)[:8]}")
+
+
+def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    if name not in params:
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    param = params[name]
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)

@@ -1,0 +1,170 @@
+"""Continuous batching under a per-round token budget, with chunked prefill and preemption.
+
+Each round picks S_t with sum(q_i) <= B_t: running requests first (their decode token, or the
+next chunk of an unfinished prefill), then waiting requests FCFS while the budget, max_num_seqs
+and free blocks allow. A running request that cannot get a block preempts the most recently
+admitted running request (recompute: its blocks are freed, it returns to the head of the queue).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from moemesh.engine.config import SchedulerConfig
+from moemesh.engine.kv_cache_manager import KVCacheManager
+from moemesh.engine.request import FinishReason, Request, RequestStatus
+from moemesh.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_req_ids: set[str] = set()
+        self._sent_to_runner: set[str] = set()  # ids whose full data the runner holds
+        self.num_preemptions = 0
+
+    # -- requests in and out -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, reason: FinishReason) -> list[Request]:
+        """Finish (abort, or stop on a stop string) requests in any state; frees their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(reason)
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one round -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # nothing to compute (cannot happen for a running request)
+                i += 1
+                continue
+            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()  # most recently admitted, not yet scheduled
+                self._preempt(victim)
+                out.preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            self._schedule(out, request, num_new, new_blocks)
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and not out.preempted_req_ids:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            self._schedule(out, request, num_new, new_blocks)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, new_blocks) -> None:
+        request_id = request.request_id
+        if request_id in self._sent_to_runner:
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+        else:
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request_id,
+                    request.all_token_ids,
+                    request.sampling_params,
+                    self.kv.get_block_ids(request_id),
+                    request.num_computed_tokens,
+                )
+            )
+            self._sent_to_runner.add(request_id)
+        out.num_scheduled_tokens[request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._sent_to_runner.discard(request.request_id)
+        self._finished_req_ids.add(request.request_id)  # the runner drops its copy
+        self.waiting.appendleft(request)
+
+    # -- after the model ran -----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, and finish requests that hit EOS, a
+        stop token, max_tokens or the context length. Returns the requests that got a token."""
+        updated = []
+        for request_id, num_new in out.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_new
+            token_id = sampled.get(request_id)
+            if token_id is None:  # a prefill chunk that did not reach the end
+                continue
+            request.output_token_ids.append(token_id)
+            updated.append(request)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self.running.remove(request)
+                request.finish(reason)
+                self._free(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        if request.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(request.request_id)
+            self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
