@@ -8,20 +8,28 @@ elsewhere. Importing this package never requires a GPU.
 
 from moemesh.kernels.dispatch import (
     fused_add_rms_norm,
+    fused_moe,
+    grouped_topk,
+    mla_decode_attention,
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
     rotary_embedding,
     store_kv_cache,
+    topk_softmax,
 )
 
 __all__ = [
     "fused_add_rms_norm",
+    "fused_moe",
+    "grouped_topk",
+    "mla_decode_attention",
     "paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
     "store_kv_cache",
+    "topk_softmax",
 ]

@@ -1,31 +1,44 @@
 """Pick the Triton kernel on CUDA tensors and the torch reference elsewhere.
 
-The engine calls only these functions. Triton launchers are looked up lazily so this module
-imports on machines without a GPU (or without triton).
+The engine calls only these functions. Triton is imported by the kernel modules only if it is
+installed (see _triton.py), so this module imports on machines without a GPU or without triton;
+CUDA tensors without triton fall back to the references.
 """
 
 import torch
 
-from moemesh.kernels.kv_store import store_kv_cache_ref
-from moemesh.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from moemesh.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
-from moemesh.kernels.rotary import rotary_embedding_ref
+from moemesh.kernels._triton import HAS_TRITON
+from moemesh.kernels.gating import grouped_topk_ref, grouped_topk_triton, topk_softmax_ref, topk_softmax_triton
+from moemesh.kernels.kv_store import store_kv_cache_ref, store_kv_cache_triton
+from moemesh.kernels.mla import mla_decode_attention_ref, mla_decode_attention_triton
+from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton
+from moemesh.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from moemesh.kernels.paged_attention import (
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+    paged_prefill_attention_ref,
+    paged_prefill_attention_triton,
+)
+from moemesh.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
+    return HAS_TRITON and t.is_cuda
 
 
 def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    fn = store_kv_cache_triton if _use_triton(key) else store_kv_cache_ref
+    fn(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
-    return paged_decode_attention_ref(query, k_cache, v_cache, block_tables, context_lens, scale)
+    fn = paged_decode_attention_triton if _use_triton(query) else paged_decode_attention_ref
+    return fn(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
-    return paged_prefill_attention_ref(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    fn = paged_prefill_attention_triton if _use_triton(query) else paged_prefill_attention_ref
+    return fn(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 
 def paged_attention(
@@ -51,13 +64,50 @@ def paged_attention(
     return torch.cat((decode_out, prefill_out), dim=0)
 
 
+def mla_decode_attention(q_latent, q_rope, kv_cache, block_tables, context_lens, scale):
+    fn = mla_decode_attention_triton if _use_triton(q_latent) else mla_decode_attention_ref
+    return fn(q_latent, q_rope, kv_cache, block_tables, context_lens, scale)
+
+
 def rms_norm(x, weight, eps):
-    return rms_norm_ref(x, weight, eps)
+    fn = rms_norm_triton if _use_triton(x) else rms_norm_ref
+    return fn(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    fn = fused_add_rms_norm_triton if _use_triton(x) else fused_add_rms_norm_ref
+    return fn(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox_style=True):
-    return rotary_embedding_ref(positions, query, key, cos_sin_cache, is_neox_style)
+    fn = rotary_embedding_triton if _use_triton(query) else rotary_embedding_ref
+    return fn(positions, query, key, cos_sin_cache, is_neox_style)
+
+
+def topk_softmax(router_logits, top_k, renormalize):
+    fn = topk_softmax_triton if _use_triton(router_logits) else topk_softmax_ref
+    return fn(router_logits, top_k, renormalize)
+
+
+def grouped_topk(
+    router_logits,
+    top_k,
+    num_expert_group,
+    topk_group,
+    e_score_correction_bias,
+    renormalize,
+    routed_scaling_factor,
+    scoring_func="sigmoid",
+):
+    fn = grouped_topk_triton if _use_triton(router_logits) else grouped_topk_ref
+    return fn(
+        router_logits, top_k, num_expert_group, topk_group, e_score_correction_bias, renormalize,
+        routed_scaling_factor, scoring_func,
+    )
+
+
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
+    if not _use_triton(hidden_states):
+        return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
+    # the routing tensors are tiny: made dense here rather than rejected by the launcher
+    return fused_moe_triton(hidden_states, w13, w2, topk_weights.contiguous(), topk_ids.contiguous())

@@ -56,7 +56,7 @@ if HAS_TRITON:
         chunk = tl.program_id(1)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        mask = (cols < TOKEN_SIZE) & (slot >= 0)
+        mask = cols < tl.where(slot >= 0, TOKEN_SIZE, 0)  # (a block & a scalar bool breaks the interpreter)
         k = tl.load(key_ptr + token.to(tl.int64) * key_token_stride + cols, mask=mask)
         v = tl.load(value_ptr + token.to(tl.int64) * value_token_stride + cols, mask=mask)
         tl.store(k_cache_ptr + slot * TOKEN_SIZE + cols, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,73 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_testing import assert_close_f64, nan_like
+from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton
+
+HIDDEN, INTER, NUM_EXPERTS, TOP_K = 40, 24, 6, 3  # neither dim a power of two: tiles are masked
+
+
+def _naive_moe(x, w13, w2, topk_weights, topk_ids):
+    """One (token, slot) at a time in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if e < 0:
+                continue
+            gate_up = w13[e].double() @ x[t].double()
+            act = F.silu(gate_up[:INTER]) * gate_up[INTER:]
+            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ act)
+    return out
+
+
+def _inputs(dtype, num_tokens=11):
+    x = torch.randn(num_tokens, HIDDEN, dtype=dtype)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN) / HIDDEN**0.5).to(dtype)
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTER) / INTER**0.5).to(dtype)
+    topk_ids = torch.rand(num_tokens, NUM_EXPERTS - 1).argsort(dim=1)[:, :TOP_K].contiguous()  # distinct per token; expert 5 unused
+    topk_weights = torch.rand(num_tokens, TOP_K) + 0.1
+    if num_tokens > 3:
+        topk_ids[1, 2] = -1  # a skipped slot (e.g. a dropped replica)
+        topk_ids[3] = -1  # a token with every slot skipped: output zeros
+        topk_weights[1, 2] = float("nan")  # a skipped slot's weight is ignored
+    return x, w13, w2, topk_weights, topk_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fused_moe_matches_the_float64_oracle(dtype):
+    x, w13, w2, topk_weights, topk_ids = _inputs(dtype)
+    out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, block_m=16, out=nan_like(x))
+    expected = _naive_moe(x, w13, w2, topk_weights, topk_ids)
+    assert_close_f64(out, expected, dtype)
+    assert out[3].eq(0).all()
+
+
+def test_triton_fused_moe_with_int32_ids_and_many_tokens_per_expert():
+    """40 tokens x 3 slots over 5 experts: segments of ~24 entries span two 16-row blocks."""
+    x, w13, w2, topk_weights, topk_ids = _inputs(torch.float32, num_tokens=40)
+    out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids.int(), block_m=16, out=nan_like(x))
+    assert_close_f64(out, _naive_moe(x, w13, w2, topk_weights, topk_ids), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_fused_moe_matches_the_float64_oracle(dtype):
+    x, w13, w2, topk_weights, topk_ids = _inputs(dtype)
+    assert_close_f64(fused_moe_ref(x, w13, w2, topk_weights, topk_ids), _naive_moe(x, w13, w2, topk_weights, topk_ids), dtype)
+
+
+def test_fused_moe_of_no_tokens_is_empty():
+    x, w13, w2, topk_weights, topk_ids = _inputs(torch.float32, num_tokens=0)
+    assert fused_moe_triton(x, w13, w2, topk_weights, topk_ids).shape == (0, HIDDEN)
+    assert fused_moe_ref(x, w13, w2, topk_weights, topk_ids).shape == (0, HIDDEN)
+
+
+def test_triton_fused_moe_rejects_mismatched_weights():
+    x, w13, w2, topk_weights, topk_ids = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        fused_moe_triton(x, w13, w2[:, :, :-1], topk_weights, topk_ids)
+    with pytest.raises(ValueError, match="w13 dtype"):
+        fused_moe_triton(x, w13.bfloat16(), w2, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match="topk_weights must be one of"):
+        fused_moe_triton(x, w13, w2, topk_weights.double(), topk_ids)
