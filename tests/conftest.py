@@ -38,3 +38,23 @@ def smollm(smollm_path):
     from moemesh import LLM
 
     return LLM(smollm_path, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def redis_port():
+    """Port of a real redis-server shared by the session (flush it per test with redis_client)."""
+    from redis_process import RedisServer
+
+    server = RedisServer().start()
+    yield server.port
+    server.stop()
+
+
+@pytest.fixture()
+def redis_client(redis_port):
+    import redis
+
+    client = redis.Redis(port=redis_port)
+    client.flushall()
+    yield client
+    client.close()

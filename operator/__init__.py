@@ -1,0 +1,1 @@
+"""moemesh.operator: the Kopf operator (handlers) and its pure decisions (autoscaler, EPLB)."""

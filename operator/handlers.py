@@ -1,0 +1,209 @@
+"""Kopf handlers of the InferenceMesh operator. They read state, call a decision, apply it.
+
+``register(registry, config)`` adds them to a kopf registry (tests use their own registry and
+config); ``moemesh.operator.main`` registers them into kopf's default registry for
+``kopf run -m moemesh.operator.main``.
+
+- login: kopf's service-account or kubeconfig login; the same credentials serve ``KubeApi``;
+- create/update/resume: parse the spec, apply the children, record conditions. A bad spec only
+  sets ``SpecValid=False`` with the reason (no retry loop, no half-applied children);
+- timer: autoscale router/prefill/decode from the registry, run the EPLB step, record status;
+- delete: delete the children (owner references also let the garbage collector do it) and the
+  mesh's placement keys in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import kopf
+import redis
+
+from moemesh.common.registry import list_workers
+from moemesh.operator import manifests
+from moemesh.operator.autoscaler import SCALED_ROLES, AutoscalerState
+from moemesh.operator.config import OperatorConfig
+from moemesh.operator.kube import KubeApi, KubeError
+from moemesh.operator.rebalance import delete_placements, rebalance_step
+from moemesh.operator.scaling import scale_step
+from moemesh.operator.spec import MeshSpec, SpecError, parse_spec
+from moemesh.operator.status import set_condition
+
+RESOURCE = (manifests.GROUP, manifests.VERSION, manifests.PLURAL)
+WORKLOAD_KIND = {"router": "Deployment", "prefill": "Deployment", "decode": "Deployment", "expert": "StatefulSet"}
+
+
+def _redis_target(mesh: MeshSpec, config: OperatorConfig) -> tuple[str, tuple[str, str] | None]:
+    """The mesh's Redis URL and the (Secret, key) its pods read the password from."""
+    if mesh.redis.url:
+        secret = mesh.redis.password_secret_name
+        return mesh.redis.url, (secret, mesh.redis.password_secret_key) if secret else None
+    secret = config.redis_secret_name
+    return config.redis_url, (secret, config.redis_secret_key) if secret else None
+
+
+async def _desired_replicas(mesh: MeshSpec, kube: KubeApi, name: str, namespace: str) -> dict[str, int]:
+    """Spec replicas; with autoscaling on, the live replicas (the autoscaler owns them) within min/max."""
+    replicas = {role: mesh.roles[role].replicas for role in manifests_roles()}
+    if mesh.autoscaling.enabled:
+        for role in SCALED_ROLES:
+            live = await kube.get(WORKLOAD_KIND[role], namespace, f"{name}-{role}")
+            live_replicas = ((live or {}).get("spec") or {}).get("replicas")
+            if isinstance(live_replicas, int):
+                role_spec = mesh.roles[role]
+                replicas[role] = min(max(live_replicas, role_spec.min_replicas), role_spec.max_replicas)
+    return replicas
+
+
+def _mesh_lock(memo: kopf.Memo) -> asyncio.Lock:
+    """Per-mesh lock (kopf gives each object its own memo) between reconcile and the timer."""
+    return memo.setdefault("mesh_lock", asyncio.Lock())
+
+
+def manifests_roles() -> tuple[str, ...]:
+    return ("router", "prefill", "decode", "expert")
+
+
+async def _redis_client(memo: kopf.Memo, kube: KubeApi, mesh: MeshSpec, namespace: str, config: OperatorConfig) -> redis.Redis:
+    url, _ = _redis_target(mesh, config)
+    password = config.redis_password if not mesh.redis.url else None
+    if mesh.redis.url and mesh.redis.password_secret_name:
+        password = await kube.secret_value(namespace, mesh.redis.password_secret_name, mesh.redis.password_secret_key)
+    clients: dict[tuple[str, str | None], redis.Redis] = memo.redis_clients
+    if (url, password) not in clients:
+        clients[(url, password)] = redis.Redis.from_url(url, password=password, socket_timeout=5, socket_connect_timeout=5)
+    return clients[(url, password)]
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Register every handler of the operator into ``registry``."""
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = f"{manifests.GROUP}/cleanup"
+        settings.posting.level = 30  # warnings and errors become Kubernetes events
+        memo.setdefault("kube", KubeApi())
+        memo.setdefault("clock", time.monotonic)
+        memo.setdefault("redis_clients", {})
+
+    @kopf.on.login(registry=registry)
+    def login(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo | None:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+        if info is not None:
+            memo.setdefault("kube", KubeApi()).use(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        await memo.kube.close()
+        for client in memo.redis_clients.values():
+            client.close()
+
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, registry=registry)
+    async def reconcile(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, uid: str,
+                        meta: kopf.Meta, memo: kopf.Memo, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        conditions = status.get("conditions")
+        try:
+            mesh = parse_spec(dict(spec), config.default_image)
+        except SpecError as exc:
+            logger.error(f"invalid InferenceMesh spec: {exc}")
+            conditions = set_condition(conditions, "SpecValid", False, "InvalidSpec", str(exc))
+            conditions = set_condition(conditions, "Ready", False, "InvalidSpec", "fix the spec; children were not changed")
+            patch.status.update(conditions=conditions, observedGeneration=meta.get("generation"))
+            return
+        redis_url, secret = _redis_target(mesh, config)
+        try:
+            async with _mesh_lock(memo):  # the timer patches replicas too
+                replicas = await _desired_replicas(mesh, memo.kube, name, namespace)
+                children = manifests.children(mesh, name, namespace, uid, replicas, redis_url, secret)
+                for child in children:
+                    await memo.kube.apply(child)
+        except KubeError as exc:
+            raise kopf.TemporaryError(f"applying children failed: {exc}", delay=15) from exc
+        conditions = set_condition(conditions, "SpecValid", True, "Valid", "spec accepted")
+        conditions = set_condition(conditions, "Ready", True, "Reconciled", f"{len(children)} children applied")
+        patch.status.update(conditions=conditions, observedGeneration=meta.get("generation"))
+
+    @kopf.on.delete(*RESOURCE, registry=registry)
+    async def delete(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+        for role in manifests_roles():
+            for kind in (WORKLOAD_KIND[role], "Service", "PodDisruptionBudget"):
+                await memo.kube.delete(kind, namespace, f"{name}-{role}")
+        await memo.kube.delete("ConfigMap", namespace, f"{name}-config")
+        try:
+            mesh = parse_spec(dict(spec), config.default_image)
+            client = await _redis_client(memo, memo.kube, mesh, namespace, config)
+            removed = await asyncio.to_thread(delete_placements, client, manifests.mesh_id(namespace, name))
+            logger.info(f"deleted {removed} placement keys")
+        except (SpecError, redis.RedisError) as exc:
+            logger.warning(f"placement keys not deleted (they stay until Redis is flushed): {exc}")
+
+    @kopf.timer(*RESOURCE, interval=config.tick_seconds, registry=registry)
+    async def tick(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str,
+                   memo: kopf.Memo, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        try:
+            mesh = parse_spec(dict(spec), config.default_image)
+        except SpecError:
+            return  # reconcile reported it in the conditions
+        mesh_key = manifests.mesh_id(namespace, name)
+        now = memo.clock()
+        conditions = status.get("conditions")
+        try:
+            client = await _redis_client(memo, memo.kube, mesh, namespace, config)
+            workers = await asyncio.to_thread(list_workers, client, mesh_key)
+            async with _mesh_lock(memo):
+                roles = await _autoscale(mesh, name, namespace, memo, workers, now)
+            patch.status["roles"] = roles
+            layout = mesh.expert_layout
+            if mesh.eplb.enabled and layout is not None:
+                plan_due = now - memo.get("last_plan_at", -math.inf) >= mesh.eplb.interval_s
+                outcome = await asyncio.to_thread(
+                    rebalance_step, client, mesh_key, layout, mesh.model.num_moe_layers,
+                    manifests.expert_worker_ids(name, layout.num_workers),
+                    mesh.eplb.imbalance_threshold, plan_due, time.time,
+                )
+                if outcome.planned:
+                    memo.last_plan_at = now
+                if outcome.published_version:
+                    logger.info(f"published placement {outcome.published_version}: {outcome.reason}")
+                patch.status["placementVersion"] = outcome.active_version
+                patch.status["pendingPlacementVersion"] = outcome.pending_version
+                if outcome.imbalance_before is not None:
+                    patch.status["imbalance"] = {"before": round(outcome.imbalance_before, 4),
+                                                 "after": round(outcome.imbalance_after, 4)}
+                    patch.status["lastReplicaMoves"] = outcome.moves
+            conditions = set_condition(conditions, "TelemetryAvailable", True, "RedisReachable", "telemetry read")
+        except redis.RedisError as exc:
+            logger.warning(f"telemetry unavailable: {exc}")
+            conditions = set_condition(conditions, "TelemetryAvailable", False, "RedisUnreachable", str(exc))
+        except KubeError as exc:
+            raise kopf.TemporaryError(f"scaling failed: {exc}", delay=15) from exc
+        patch.status["conditions"] = conditions
+
+
+async def _autoscale(mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo,
+                     workers: list, now: float) -> dict[str, dict[str, int]]:
+    """Patch router/prefill/decode replicas when autoscaling is on; returns status.roles."""
+    current: dict[str, int] = {}
+    for role in manifests_roles():
+        live = await memo.kube.get(WORKLOAD_KIND[role], namespace, f"{name}-{role}")
+        if live is not None:
+            current[role] = int((live.get("spec") or {}).get("replicas", 0))
+    roles = {role: {"desiredReplicas": replicas} for role, replicas in current.items()}
+    ready = {role: sum(1 for w in workers if w.role in (role, "both" if role == "decode" else role))
+             for role in manifests_roles()}
+    if mesh.autoscaling.enabled and len(current) == len(manifests_roles()):  # reconciled already
+        state = memo.get("autoscaler", AutoscalerState())
+        desired, _, memo.autoscaler = scale_step(state, now, mesh, current, workers)
+        for role, replicas in desired.items():
+            if replicas != current[role]:
+                await memo.kube.patch("Deployment", namespace, f"{name}-{role}", {"spec": {"replicas": replicas}})
+            roles[role]["desiredReplicas"] = replicas
+    for role in manifests_roles():
+        roles.setdefault(role, {})["readyReplicas"] = ready[role]
+    return roles

@@ -1,0 +1,107 @@
+"""EPLB step of the timer: activate ready placements, plan and publish new ones (Redis only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from moemesh.common import redis_keys
+from moemesh.common.expert_load import read_expert_load
+from moemesh.common.placement import Placement, PlacementStore, contiguous_slot_owner
+from moemesh.operator.eplb import EplbLayout, plan_from_scratch
+from moemesh.operator.eplb_replan import replan, should_publish
+
+
+@dataclass(frozen=True)
+class RebalanceOutcome:
+    active_version: int  # 0 when none is active yet
+    pending_version: int  # 0 when nothing waits for workers
+    published_version: int  # 0 when this step published nothing
+    planned: bool  # the step read load and ran the planner
+    imbalance_before: float | None  # current placement under the observed load
+    imbalance_after: float | None  # the published (or rejected) plan under the same load
+    moves: int | None
+    reason: str
+
+
+def _compatible(placement: Placement | None, layout: EplbLayout, num_layers: int, worker_ids: list[str]) -> bool:
+    return (
+        placement is not None
+        and placement.worker_ids == tuple(worker_ids)
+        and placement.num_slots == layout.num_slots
+        and placement.num_experts == layout.num_experts
+        and placement.num_layers == num_layers
+    )
+
+
+def rebalance_step(
+    client: redis.Redis,
+    mesh: str,
+    layout: EplbLayout,
+    num_layers: int,
+    worker_ids: list[str],
+    threshold: float,
+    plan_due: bool,
+    clock: redis_keys.Clock,
+) -> RebalanceOutcome:
+    """One timer tick of the two-phase apply (see ``moemesh.common.placement``)."""
+    store = PlacementStore(client, mesh)
+    pending = store.pending()
+    if pending is not None and not store.missing_workers(pending.version):
+        store.activate(pending.version)
+        pending = None
+    latest_version = store.latest_version()
+    newest = store.get(latest_version) if latest_version else None
+
+    def publish(phy2log: np.ndarray) -> int:
+        version = latest_version + 1
+        store.publish(
+            Placement(
+                version=version,
+                num_experts=layout.num_experts,
+                worker_ids=tuple(worker_ids),
+                slot_owner=contiguous_slot_owner(layout.num_slots, layout.num_workers),
+                phy2log=phy2log,
+            )
+        )
+        return version
+
+    def outcome(published: int, planned: bool, before=None, after=None, moves=None, reason="") -> RebalanceOutcome:
+        return RebalanceOutcome(
+            active_version=store.current_version(),
+            pending_version=published or (pending.version if pending is not None else 0),
+            published_version=published,
+            planned=planned,
+            imbalance_before=before,
+            imbalance_after=after,
+            moves=moves,
+            reason=reason,
+        )
+
+    if not _compatible(newest, layout, num_layers, worker_ids):
+        uniform = np.ones((num_layers, layout.num_experts))
+        version = publish(plan_from_scratch(uniform, layout).phy2log)
+        reason = "initial placement" if newest is None else "expert layout changed"
+        return outcome(version, False, reason=reason)
+    if pending is not None or not plan_due:
+        return outcome(0, False, reason="waiting for workers" if pending is not None else "not due")
+    load = read_expert_load(client, mesh, num_layers, layout.num_experts, clock=clock)
+    if load.num_workers == 0 or not load.counts.any():
+        return outcome(0, True, reason="no expert load reported")
+    result = replan(load.counts, layout, newest.phy2log)
+    before, after = result.current_imbalance, result.plan.imbalance
+    if not should_publish(before, after, threshold):
+        return outcome(0, True, before, after, 0, reason="improvement below threshold")
+    version = publish(result.plan.phy2log)
+    return outcome(version, True, before, after, result.moves, reason="rebalanced")
+
+
+def delete_placements(client: redis.Redis, mesh: str) -> int:
+    """Delete every placement key of ``mesh`` (the mesh was deleted); returns how many."""
+    pattern = f"{redis_keys.mesh_prefix(mesh)}:placement:*"
+    keys = list(client.scan_iter(match=pattern, count=500))
+    if keys:
+        client.delete(*keys)
+    return len(keys)

@@ -1,0 +1,235 @@
+"""InferenceMesh spec: parsed once from the custom resource into frozen, validated dataclasses.
+
+The CRD's OpenAPI schema (charts/moemesh/crds/) already rejects wrong types at admission; this
+module checks what a schema cannot (min <= replicas <= max, slots dividing over workers, a
+threshold in range) and fills defaults. ``SpecError`` carries a message for the status condition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from moemesh.operator.autoscaler import RatioGuard, ScalingPolicy
+from moemesh.operator.eplb import EplbError, EplbLayout
+
+ROLES = ("router", "prefill", "decode", "expert")
+
+
+class SpecError(ValueError):
+    """The custom resource cannot be served as written; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str
+    num_moe_layers: int = 0
+    num_experts: int = 0
+    num_expert_groups: int = 1
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    resources: dict[str, Any]  # {requests: {...}, limits: {...}} as in a container spec
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool
+    policy: ScalingPolicy  # the targets and windows; min/max come per role
+    ratio: RatioGuard
+
+
+@dataclass(frozen=True)
+class EplbSpec:
+    enabled: bool
+    redundant_slots: int
+    interval_s: float
+    imbalance_threshold: float
+    num_nodes: int
+
+
+@dataclass(frozen=True)
+class RedisSpec:
+    url: str | None  # None: the operator's default (the chart's Redis)
+    password_secret_name: str | None
+    password_secret_key: str
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    model: ModelSpec
+    image: str
+    image_pull_policy: str
+    roles: dict[str, RoleSpec]
+    autoscaling: AutoscalingSpec
+    eplb: EplbSpec
+    redis: RedisSpec
+
+    def policy_for(self, role: str) -> ScalingPolicy:
+        role_spec = self.roles[role]
+        base = self.autoscaling.policy
+        return ScalingPolicy(
+            min_replicas=role_spec.min_replicas,
+            max_replicas=role_spec.max_replicas,
+            target_requests_per_replica=base.target_requests_per_replica,
+            target_kv_usage=base.target_kv_usage,
+            target_ttft_p90_s=base.target_ttft_p90_s if role == "prefill" else None,
+            target_itl_p90_s=base.target_itl_p90_s if role == "decode" else None,
+            scale_up_window_s=base.scale_up_window_s,
+            scale_down_window_s=base.scale_down_window_s,
+            max_step_up=base.max_step_up,
+            max_step_down=base.max_step_down,
+            scale_up_period_s=base.scale_up_period_s,
+            scale_down_period_s=base.scale_down_period_s,
+        )
+
+    @property
+    def expert_layout(self) -> EplbLayout | None:
+        """The EPLB layout, or None when the mesh runs no expert workers."""
+        num_workers = self.roles["expert"].replicas
+        if self.model.num_experts == 0 or self.model.num_moe_layers == 0 or num_workers == 0:
+            return None
+        return EplbLayout(
+            num_experts=self.model.num_experts,
+            num_slots=self.model.num_experts + self.eplb.redundant_slots,
+            num_workers=num_workers,
+            num_groups=self.model.num_expert_groups,
+            num_nodes=self.eplb.num_nodes,
+        )
+
+
+def _int(section: dict[str, Any], key: str, default: int, path: str, minimum: int = 0) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{path}.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(section: dict[str, Any], key: str, default: float | None, path: str) -> float | None:
+    if key not in section:
+        return default
+    value = section[key]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise SpecError(f"{path}.{key} must be a non-negative number, got {value!r}")
+    return float(value)
+
+
+def _section(spec: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    value = spec.get(key) or {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{path}.{key} must be an object, got {type(value).__name__}")
+    return value
+
+
+DEFAULT_REPLICAS = {"router": 1, "prefill": 1, "decode": 1, "expert": 0}
+
+
+def _role(spec: dict[str, Any], role: str) -> RoleSpec:
+    section = _section(spec, role, "spec")
+    path = f"spec.{role}"
+    replicas = _int(section, "replicas", DEFAULT_REPLICAS[role], path)
+    min_replicas = _int(section, "minReplicas", min(replicas, 1) if role != "expert" else replicas, path)
+    max_replicas = _int(section, "maxReplicas", max(replicas, min_replicas), path)
+    if not min_replicas <= replicas <= max_replicas:
+        raise SpecError(
+            f"{path}: need minReplicas <= replicas <= maxReplicas, got {min_replicas} <= {replicas} <= {max_replicas}"
+        )
+    resources = section.get("resources") or {}
+    if not isinstance(resources, dict) or set(resources) - {"requests", "limits"}:
+        raise SpecError(f"{path}.resources must be an object with requests/limits, got {resources!r}")
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    if "nvidia.com/gpu" in requests and requests.get("nvidia.com/gpu") != limits.get("nvidia.com/gpu"):
+        raise SpecError(f"{path}.resources: nvidia.com/gpu must be set in limits (requests, if set, must equal limits)")
+    return RoleSpec(
+        replicas=replicas,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        resources={key: dict(value) for key, value in resources.items() if value},
+        node_selector=dict(section.get("nodeSelector") or {}),
+        tolerations=tuple(section.get("tolerations") or ()),
+    )
+
+
+def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
+    """Validate and default an InferenceMesh ``spec``; raises ``SpecError``."""
+    model = _section(spec, "model", "spec")
+    if not model.get("name") or not model.get("source"):
+        raise SpecError("spec.model.name and spec.model.source are required")
+    model_spec = ModelSpec(
+        name=str(model["name"]),
+        source=str(model["source"]),
+        num_moe_layers=_int(model, "numMoeLayers", 0, "spec.model"),
+        num_experts=_int(model, "numExperts", 0, "spec.model"),
+        num_expert_groups=_int(model, "numExpertGroups", 1, "spec.model", minimum=1),
+    )
+    image = _section(spec, "image", "spec")
+    repository = image.get("repository")
+    image_ref = f"{repository}:{image.get('tag', 'latest')}" if repository else default_image
+
+    scaling = _section(spec, "autoscaling", "spec")
+    path = "spec.autoscaling"
+    ratio = _section(scaling, "prefillDecodeRatio", path)
+    try:
+        policy = ScalingPolicy(
+            target_requests_per_replica=_float(scaling, "targetRequestsPerReplica", 8.0, path) or None,
+            target_kv_usage=_float(scaling, "targetKvUsage", 0.8, path) or None,
+            target_ttft_p90_s=_float(scaling, "targetTtftP90Seconds", None, path) or None,
+            target_itl_p90_s=_float(scaling, "targetItlP90Seconds", None, path) or None,
+            scale_up_window_s=_float(scaling, "scaleUpWindowSeconds", 0.0, path),
+            scale_down_window_s=_float(scaling, "scaleDownWindowSeconds", 300.0, path),
+            max_step_up=_int(scaling, "maxStepUp", 4, path, minimum=1),
+            max_step_down=_int(scaling, "maxStepDown", 1, path, minimum=1),
+            scale_up_period_s=_float(scaling, "scaleUpPeriodSeconds", 15.0, path),
+            scale_down_period_s=_float(scaling, "scaleDownPeriodSeconds", 60.0, path),
+        )
+    except ValueError as exc:
+        raise SpecError(f"{path}: {exc}") from exc
+    guard = RatioGuard(
+        min_ratio=_float(ratio, "min", 0.0, f"{path}.prefillDecodeRatio"),
+        max_ratio=_float(ratio, "max", math.inf, f"{path}.prefillDecodeRatio"),
+    )
+    if guard.min_ratio > guard.max_ratio:
+        raise SpecError(f"{path}.prefillDecodeRatio: min {guard.min_ratio} exceeds max {guard.max_ratio}")
+
+    eplb = _section(spec, "eplb", "spec")
+    threshold = _float(eplb, "imbalanceThreshold", 0.05, "spec.eplb")
+    if threshold >= 1:
+        raise SpecError(f"spec.eplb.imbalanceThreshold must be below 1 (a relative improvement), got {threshold}")
+    redis_section = _section(spec, "redis", "spec")
+    secret = _section(redis_section, "passwordSecretRef", "spec.redis")
+    if secret and not secret.get("name"):
+        raise SpecError("spec.redis.passwordSecretRef.name is required when passwordSecretRef is set")
+    mesh = MeshSpec(
+        model=model_spec,
+        image=image_ref,
+        image_pull_policy=str(image.get("pullPolicy", "IfNotPresent")),
+        roles={role: _role(spec, role) for role in ROLES},
+        autoscaling=AutoscalingSpec(bool(scaling.get("enabled", False)), policy, guard),
+        eplb=EplbSpec(
+            enabled=bool(eplb.get("enabled", True)),
+            redundant_slots=_int(eplb, "redundantSlots", 0, "spec.eplb"),
+            interval_s=_float(eplb, "intervalSeconds", 300.0, "spec.eplb"),
+            imbalance_threshold=threshold,
+            num_nodes=_int(eplb, "numNodes", 1, "spec.eplb", minimum=1),
+        ),
+        redis=RedisSpec(
+            url=redis_section.get("url") or None,
+            password_secret_name=secret.get("name") or None,
+            password_secret_key=str(secret.get("key", "redis-password")),
+        ),
+    )
+    try:
+        mesh.expert_layout
+    except EplbError as exc:
+        raise SpecError(f"spec.expert/spec.eplb/spec.model: {exc}") from exc
+    return mesh
