@@ -23,7 +23,7 @@ def rms_norm_ref(
 ) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return xf.to(x.dtype) * weight  # cast, then scale, as Hugging Face's Llama does
 
 
 def fused_add_rms_norm_ref(

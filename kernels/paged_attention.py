@@ -47,24 +47,30 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
+    """One SDPA call for the whole decode batch. GQA without copies: the `group` query heads
+    sharing a kv head are laid out as `group` query rows of that head (no causal mask is needed,
+    every cached token precedes the query), so K/V are gathered once per kv head."""
     num_reqs, num_heads, head_dim = query.shape
     if num_reqs == 0:
         return query.new_empty(query.shape)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
-    num_blocks = max(1, -(-max_len // block_size))
-    tables = block_tables[:, :num_blocks]
-    k = gather_kv(k_cache, tables)[:, :max_len]  # [num_reqs, max_len, kvh, d]
-    v = gather_kv(v_cache, tables)[:, :max_len]
+    if max_len == 0:
+        return torch.zeros_like(query)
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [num_reqs, kvh, num_blocks * block_size, d]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
     q = query.view(num_reqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k.to(q.dtype)).float() * scale  # [num_reqs, kvh, g, max_len]
-    pos = torch.arange(max_len, device=query.device)
-    mask = pos[None, :] >= context_lens[:, None].to(query.device)  # [num_reqs, max_len]
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(v.dtype)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(num_reqs, num_heads, head_dim).to(query.dtype)
+    pos = torch.arange(num_blocks * block_size, device=query.device)
+    valid = pos[None, :] < context_lens[:, None].to(query.device)  # [num_reqs, num_blocks * block_size]
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
+                                         scale=scale)  # fmt: skip
+    out = out.reshape(num_reqs, num_heads, head_dim)  # [num_reqs, kvh, group, d] -> heads in order
+    if int(context_lens.min()) == 0:  # an empty request: its fully masked row is NaN
+        out = out.masked_fill((context_lens == 0).to(query.device)[:, None, None], 0.0)
+    return out
 
 
 def paged_prefill_attention_ref(
