@@ -40,10 +40,9 @@ class ModelRunnerOutput:
 
 
 def measure_cache_budget(model: nn.Module, model_config: ModelConfig, cache_config: CacheConfig) -> CacheBudget:
-    layers = model.attention_layers()
-    attn = layers[0]
     elem = torch.empty((), dtype=DTYPES[model_config.dtype]).element_size()
-    bytes_per_block = len(layers) * 2 * cache_config.block_size * attn.num_kv_heads * attn.head_dim * elem
+    shapes = [s for attn in model.attention_layers() for s in attn.kv_cache_shape(1, cache_config.block_size)]
+    bytes_per_block = sum(torch.Size(shape).numel() for shape in shapes) * elem  # all layers, all cache tensors
     num_blocks = cache_config.num_blocks or max(2, int(cache_config.memory_gib * 2**30) // bytes_per_block)
     return CacheBudget(num_blocks=num_blocks, block_size=cache_config.block_size, bytes_per_block=bytes_per_block)
 
@@ -55,9 +54,8 @@ class ModelRunner:
         self.block_size = budget.block_size
         dtype = DTYPES[model_config.dtype]
         for attn in model.attention_layers():
-            shape = (budget.num_blocks, budget.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            shapes = attn.kv_cache_shape(budget.num_blocks, budget.block_size)
+            attn.bind_kv_cache([torch.zeros(shape, dtype=dtype, device=self.device) for shape in shapes])
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(model_config.seed))
         self.requests: dict[str, CachedRequestState] = {}
 

@@ -17,6 +17,15 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """The cache tensors this layer needs (the runner allocates them): K and V."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [shape, shape]
+
+    def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
+        """Called by the runner once, with tensors of the shapes from `kv_cache_shape`."""
+        self.k_cache, self.v_cache = caches
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -1,0 +1,129 @@
+"""The Mixture-of-Experts FFN layer every MoE architecture uses.
+
+    y = sum over the routed experts e of w_e * E_e(x)  (+ shared(x)),   E_e = SwiGLU expert FFN
+
+One forward: router logits (`MoEGate`) -> top-k selection (`select_experts`, through the kernels'
+gating functions) -> load counting (logical ids) -> `ExpertExecutor` (dispatch to the experts'
+replicas, expert FFNs, weighted combine) -> + shared experts.
+
+Gating recipes (`GatingConfig.method`):
+- "topk_softmax" (Mixtral, Qwen3-MoE): softmax over all experts, the top_k largest, optionally
+  renormalized (`norm_topk_prob`; Mixtral always).
+- "grouped_topk" (DeepSeek-V3): sigmoid scores; `e_score_correction_bias` added for selection
+  only; group score = sum of each group's top-2 biased scores; the best `topk_group` of
+  `num_expert_group` groups are kept and the others masked with -inf; top_k experts on the masked
+  biased scores; weights = the unbiased scores, renormalized when `norm_topk_prob`, times
+  `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moemesh import kernels
+from moemesh.engine.expert_load import ExpertLoadCounter
+from moemesh.engine.layers.expert_executor import ExpertExecutor
+
+_METHODS = ("topk_softmax", "grouped_topk")
+
+
+@dataclass(frozen=True)
+class GatingConfig:
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    method: str = "topk_softmax"
+    scoring_func: str = "sigmoid"  # grouped_topk only: "sigmoid" or "softmax"
+    num_expert_group: int = 1  # grouped_topk only
+    topk_group: int = 1  # grouped_topk only
+    routed_scaling_factor: float = 1.0  # grouped_topk only
+
+    def __post_init__(self):
+        if self.method not in _METHODS:
+            raise ValueError(f"gating method must be one of {_METHODS}, got {self.method!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    gating: GatingConfig,
+    e_score_correction_bias: torch.Tensor | None = None,  # [num_experts]
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] float32, ids [num_tokens, top_k] int64
+    if gating.method == "topk_softmax":
+        return kernels.topk_softmax(router_logits, gating.top_k, gating.renormalize)
+    return kernels.grouped_topk(
+        router_logits, gating.top_k, gating.num_expert_group, gating.topk_group, e_score_correction_bias,
+        gating.renormalize, gating.routed_scaling_factor, gating.scoring_func,
+    )  # fmt: skip
+
+
+class MoEGate(nn.Module):
+    """Router: logits = x @ weight^T, plus DeepSeek-V3's selection-only correction bias.
+    Checkpoint names: `gate.weight` [num_experts, hidden], `gate.e_score_correction_bias`."""
+
+    def __init__(self, hidden_size: int, num_experts: int, has_correction_bias: bool, float32_logits: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts), requires_grad=False) if has_correction_bias else None
+        )
+        self.float32_logits = float32_logits  # DeepSeek-V3 routes in float32 whatever the model dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_experts]
+        if self.float32_logits:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked: w13 [num_experts, 2 * intermediate, hidden]
+    (gate rows, then up rows) and w2 [num_experts, hidden, intermediate], the layout of
+    `kernels.fused_moe` and of transformers' in-memory `experts.gate_up_proj` / `down_proj`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+
+@dataclass
+class MoERuntime:
+    """What a model's MoE layers share: where experts run and where load is counted. Swap the
+    executor (e.g. for a remote one) between steps; the layers read it at every forward."""
+
+    executor: ExpertExecutor
+    expert_load: ExpertLoadCounter
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        layer: int,  # MoE-layer ordinal, the index into placement and load counters
+        hidden_size: int,
+        intermediate_size: int,  # per routed expert
+        gating: GatingConfig,
+        runtime: MoERuntime,
+        shared_experts: nn.Module | None = None,  # x [num_tokens, hidden] -> [num_tokens, hidden]
+        has_correction_bias: bool = False,
+        float32_logits: bool = False,
+    ):
+        super().__init__()
+        self.layer, self.gating = layer, gating
+        self.gate = MoEGate(hidden_size, gating.num_experts, has_correction_bias, float32_logits)
+        self.experts = RoutedExperts(gating.num_experts, hidden_size, intermediate_size)
+        self.shared_experts = shared_experts
+        self.runtime = runtime  # shared by the model's MoE layers; not module state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, hidden] -> [num_tokens, hidden]
+        router_logits = self.gate(x)  # [num_tokens, num_experts]
+        topk_weights, topk_ids = select_experts(router_logits, self.gating, self.gate.e_score_correction_bias)
+        self.runtime.expert_load.record(self.layer, topk_ids)
+        out = self.runtime.executor.forward(self.layer, x, topk_ids, topk_weights)  # [num_tokens, hidden]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
