@@ -34,9 +34,10 @@ def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [num_blocks_of_request] or [num_reqs, max_num_blocks]
 ) -> torch.Tensor:
-    """K or V of whole blocks, in token order: [..., num_blocks_of_request * block_size, kvh, d]."""
-    blocks = cache[block_table.long()]  # [..., nb, block_size, kvh, d]
-    return blocks.flatten(-4, -3)
+    """K or V of whole blocks, in token order: [..., num_blocks_of_request * block_size, kvh, d].
+    (index_select on the flattened table is an order of magnitude faster on CPU than fancy indexing.)"""
+    blocks = cache.index_select(0, block_table.reshape(-1).long())  # [n * nb, block_size, kvh, d]
+    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def paged_decode_attention_ref(
@@ -47,9 +48,9 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
-    """One SDPA call for the whole decode batch. GQA without copies: the `group` query heads
-    sharing a kv head are laid out as `group` query rows of that head (no causal mask is needed,
-    every cached token precedes the query), so K/V are gathered once per kv head."""
+    """The whole decode batch in two batched matmuls. GQA without copies: the `group` query heads
+    sharing a kv head are laid out as `group` query rows of that head (no causal mask is needed:
+    every cached token precedes the query). Softmax runs in float32."""
     num_reqs, num_heads, head_dim = query.shape
     if num_reqs == 0:
         return query.new_empty(query.shape)
@@ -59,18 +60,19 @@ def paged_decode_attention_ref(
     if max_len == 0:
         return torch.zeros_like(query)
     num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].long()
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [num_reqs, kvh, num_blocks * block_size, d]
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    tables = block_tables[:, :num_blocks]
+    k = gather_kv(k_cache, tables).transpose(1, 2)  # [num_reqs, kvh, num_blocks * block_size, d]
+    v = gather_kv(v_cache, tables).transpose(1, 2)
     q = query.view(num_reqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float().mul_(scale)  # [num_reqs, kvh, g, len]
     pos = torch.arange(num_blocks * block_size, device=query.device)
-    valid = pos[None, :] < context_lens[:, None].to(query.device)  # [num_reqs, num_blocks * block_size]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
-                                         scale=scale)  # fmt: skip
-    out = out.reshape(num_reqs, num_heads, head_dim)  # [num_reqs, kvh, group, d] -> heads in order
+    masked = pos[None, :] >= context_lens[:, None].to(query.device)  # [num_reqs, num_blocks * block_size]
+    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     if int(context_lens.min()) == 0:  # an empty request: its fully masked row is NaN
-        out = out.masked_fill((context_lens == 0).to(query.device)[:, None, None], 0.0)
-    return out
+        probs = probs.nan_to_num_(0.0)
+    out = torch.matmul(probs.to(v.dtype), v)  # [num_reqs, kvh, g, d] -> heads in order
+    return out.reshape(num_reqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention_ref(
