@@ -1,4 +1,9 @@
-"""`moemesh` command line: `moemesh generate "prompt"` runs the offline engine."""
+"""`moemesh` command line.
+
+    moemesh generate "prompt"                 run the offline engine
+    moemesh serve --role ROLE [--config F]    run one service (router | prefill | decode | both)
+    moemesh up                                run a local cluster: Redis, router, prefill and decode workers
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,50 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.set_defaults(func=_generate)
+
+    from moemesh.common.local_cluster import add_up_arguments
+    from moemesh.common.settings import add_serve_arguments
+
+    serve = sub.add_parser("serve", help="run one service: router, prefill, decode or both (aggregated worker)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
+    up = sub.add_parser("up", help="run a local cluster on loopback (Redis, router, prefill + decode workers)")
+    add_up_arguments(up)
+    up.set_defaults(func=_up)
     return parser
+
+
+def _configure_logging(name: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def _serve(args) -> int:
+    from moemesh.common.settings import SettingsError, router_settings, worker_settings
+    from moemesh.engine.errors import MoemeshError
+
+    try:
+        if args.role == "router":
+            from moemesh.router.main import main as router_main
+
+            settings = router_settings(args)
+            _configure_logging("router")
+            return router_main(settings)
+        from moemesh.decode.worker import main as worker_main
+
+        settings = worker_settings(args)
+        _configure_logging(settings.worker_id)
+        return worker_main(settings)
+    except (SettingsError, MoemeshError) as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _up(args) -> int:
+    from moemesh.common.local_cluster import run_up
+
+    return run_up(args)
 
 
 def _generate(args) -> int:

@@ -6,16 +6,52 @@ be computed to produce logits).
 
 Callers: the scheduler calls `get_computed_blocks` once when it admits a waiting request,
 `allocate_slots` each round it schedules a request, and `free` when a request finishes or is
-preempted.
+preempted. For a remote prefill it allocates with `cache=False` (the blocks are not computed yet)
+and calls `cache_blocks` once the KV has arrived. The worker's engine thread drains `events`
+(blocks stored / evicted) after each step for the prefix index.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from moemesh.common.block_hash import HashExtra, hash_block_chain
+from moemesh.common.block_hash import BlockHash, HashExtra, hash_block_chain
 from moemesh.engine.block_pool import BlockPool, KVCacheBlock
 from moemesh.engine.request import Request
+
+
+@dataclass
+class KVEvents:
+    """Net prefix-cache changes since the last drain: stored (True) / removed (False) per key;
+    `cleared` means every key was dropped first (the index must resync)."""
+
+    changes: dict[BlockHash, bool] = field(default_factory=dict)
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.changes) or self.cleared
+
+
+class _RecordingBlockMap(dict):
+    """The block pool's hash -> block map, recording every key stored or evicted into `events`.
+    (BlockPool writes it with `[]=`, `del` and `clear()` only.)"""
+
+    def __init__(self, events: KVEvents):
+        super().__init__()
+        self.events = events
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.events.changes[key] = True
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.events.changes[key] = False
+
+    def clear(self):
+        super().clear()
+        self.events.changes.clear()
+        self.events.cleared = True
 
 
 @dataclass
@@ -34,6 +70,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.extra = extra
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = KVEvents()
+        self.pool.cached_blocks = _RecordingBlockMap(self.events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already keyed
         self.stats = PrefixCacheStats()
@@ -58,6 +96,22 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def get_slot_ids(self, request_id: str, start: int, end: int) -> list[int]:
+        """Cache slots (block_id * P + offset) of token positions [start, end) of a request."""
+        blocks, size = self.req_to_blocks[request_id], self.block_size
+        return [blocks[t // size].block_id * size + t % size for t in range(start, end)]
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every key in the prefix cache now (a full snapshot for an index resync)."""
+        return list(self.pool.cached_blocks)
+
+    def drain_events(self) -> KVEvents:
+        """Changes since the last drain; called by the worker's engine thread after each step."""
+        events = KVEvents(dict(self.events.changes), self.events.cleared)
+        self.events.changes.clear()
+        self.events.cleared = False
+        return events
+
     # -- the scheduler's calls ---------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a waiting request: (blocks, number of tokens)."""
@@ -81,10 +135,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] = (),
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (its own computed
         tokens plus `new_computed_blocks`, a prefix hit). Returns the newly allocated blocks, or
-        None, changing nothing, when the pool cannot supply them."""
+        None, changing nothing, when the pool cannot supply them. `cache=False` leaves the new
+        full blocks unkeyed (their KV comes later from a prefill worker; see `cache_blocks`)."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -98,9 +154,14 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Key the request's full blocks among its first `num_tokens` tokens (their KV is there now)."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -1,6 +1,11 @@
 """The engine loop: add requests, then `step()` = schedule, execute, update from output.
 
 Single-threaded: callers (the offline LLM, a worker's engine thread) drive `step()`.
+
+Disaggregated serving (called by a worker's engine thread between steps, see kv_transfer.py):
+a decode worker adds requests with `remote_prefill`, reads `take_remote_prefills()` after each
+step, and completes each with `finish_remote_prefill` (or `fallback_to_local_prefill`); a prefill
+worker adds requests with `kv_export_start` and calls `export_kv` on each that finished.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from moemesh.engine.config import EngineConfig
 from moemesh.engine.detokenizer import IncrementalDetokenizer
 from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_cache_manager import KVCacheManager
+from moemesh.engine.kv_transfer import ExportedKV, KVLayout, RemoteKV, cache_tensors, gather_kv, kv_layout, scatter_kv
 from moemesh.engine.loader import open_checkpoint
 from moemesh.engine.loader.build import build_model
 from moemesh.engine.model_runner import ModelRunner, measure_cache_budget
 from moemesh.engine.outputs import RequestOutput
-from moemesh.engine.request import FinishReason, Request
+from moemesh.engine.request import FinishReason, RemotePrefillParams, Request
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler import Scheduler
 
@@ -41,6 +47,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config.model, self.budget)
+        self.kv_layout: KVLayout = kv_layout(self.model, self.model_id)
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.cfg.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -58,16 +65,29 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams,
         request_id: str | None = None,
+        *,
+        remote_prefill: RemotePrefillParams | None = None,
+        kv_export_start: int | None = None,
+        detokenize: bool = True,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError naming the bad field."""
+        """Validate and queue a request; raises InvalidRequestError naming the bad field.
+        `remote_prefill`: a decode worker may get the prompt's KV from a prefill worker.
+        `kv_export_start`: a prefill worker keeps the KV from that token for `export_kv`.
+        `detokenize=False`: no text or stop strings here (a worker; the router detokenizes)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
+        if kv_export_start is not None and not 0 <= kv_export_start < len(prompt_token_ids):
+            raise InvalidRequestError(
+                f"kv_export_start must be in [0, {len(prompt_token_ids)}), got {kv_export_start}", param="kv_export_start"
+            )
         request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
+        request.remote_prefill = remote_prefill
+        request.kv_export_start = kv_export_start
         self._requests[request_id] = request
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and detokenize:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, sampling_params.stop, prompt_token_ids
             )
@@ -113,22 +133,64 @@ class LLMEngine:
     def abort_request(self, request_ids) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         finished = self.scheduler.finish_requests(ids, FinishReason.ABORT)
+        for request_id in ids:
+            self.scheduler.release_held(request_id)
         return [self._output(r, []) for r in finished]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0
+
+    # -- disaggregated prefill -------------------------------------------------------------
+    def take_remote_prefills(self) -> list[Request]:
+        """Decode: requests parked for remote KV since the last call; fetch each one's KV for
+        tokens [request.num_computed_tokens, num_prompt_tokens)."""
+        return self.scheduler.take_remote_prefills()
+
+    def finish_remote_prefill(self, request_id: str, kv: RemoteKV) -> list[RequestOutput]:
+        """Decode: write the received KV into the request's blocks and append the first token.
+        Returns the request's output (none if it was aborted meanwhile)."""
+        request = self.scheduler.waiting_for_kv.get(request_id)
+        if request is None:
+            return []
+        start, end = request.num_computed_tokens, request.num_prompt_tokens
+        if kv.num_tokens != end - start or kv.data.numel() != kv.num_tokens * self.kv_layout.bytes_per_token:
+            raise ValueError(f"expected KV of {end - start} tokens, got {kv.num_tokens} ({kv.data.numel()} bytes)")
+        scatter_kv(cache_tensors(self.model), self.kv_cache_manager.get_slot_ids(request_id, start, end), kv.data)
+        request.num_remote_prefill_tokens = end - start
+        request.num_cached_tokens = max(request.num_cached_tokens, kv.num_cached_tokens)
+        self.scheduler.finish_remote_prefill(request_id, kv.first_token_id)
+        logprobs = {request_id: kv.first_logprob} if kv.first_logprob is not None else {}
+        return self._process_outputs([request], logprobs)
+
+    def fallback_to_local_prefill(self, request_id: str) -> None:
+        """Decode: the transfer failed; prefill the uncached suffix here instead."""
+        if request_id in self.scheduler.waiting_for_kv:
+            self.scheduler.fallback_to_local_prefill(request_id)
+
+    def export_kv(self, request_id: str) -> ExportedKV | None:
+        """Prefill: copy a finished request's KV from `kv_export_start` on, then free its blocks."""
+        request = self.scheduler.kv_held.get(request_id)
+        if request is None:
+            return None
+        start, end = request.kv_export_start, request.num_prompt_tokens
+        data = gather_kv(cache_tensors(self.model), self.kv_cache_manager.get_slot_ids(request_id, start, end))
+        self.scheduler.release_held(request_id)
+        logprob = request.output_logprobs[0] if request.output_logprobs else None
+        return ExportedKV(
+            request_id, request.output_token_ids[0], logprob, end - start, max(request.num_cached_tokens, 0), data
+        )
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        return self._process_outputs(updated, runner_output)
+        return self._process_outputs(updated, runner_output.logprobs)
 
-    def _process_outputs(self, updated: list[Request], runner_output) -> list[RequestOutput]:
+    def _process_outputs(self, updated: list[Request], logprobs: dict) -> list[RequestOutput]:
         outputs, stopped = [], []
         for request in updated:
-            logprob = runner_output.logprobs.get(request.request_id)
+            logprob = logprobs.get(request.request_id)
             if logprob is not None:
                 request.output_logprobs.append(logprob)
             detok = self._detokenizers.get(request.request_id)
@@ -168,6 +230,8 @@ class LLMEngine:
         return {
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
+            "num_waiting_for_kv": len(self.scheduler.waiting_for_kv),
+            "num_kv_held": len(self.scheduler.kv_held),
             "num_blocks_total": self.budget.num_usable_blocks,
             "num_blocks_used": kv.num_used_blocks,
             "kv_usage": kv.usage,

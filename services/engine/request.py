@@ -1,4 +1,10 @@
-"""A request's lifecycle: waiting -> running -> (preempted -> waiting ->) finished(reason)."""
+"""A request's lifecycle: waiting -> running -> (preempted -> waiting ->) finished(reason).
+
+Disaggregated serving adds one state on the decode worker: waiting -> waiting_for_remote_kv (its
+blocks are allocated, the uncached prompt suffix is being prefilled by a prefill worker) ->
+running once the KV and the first token arrive (or, if the transfer fails, running with a local
+prefill of the suffix).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED = "finished"
 
 
@@ -28,6 +35,15 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # the top-n tokens of that position and their logprobs
+
+
+@dataclass(frozen=True)
+class RemotePrefillParams:
+    """Set by a decode worker on a request it may prefill remotely: at admission, if at least
+    `min_remote_tokens` prompt tokens are not in its prefix cache, the scheduler allocates the
+    blocks and parks the request in WAITING_FOR_REMOTE_KV instead of computing them."""
+
+    min_remote_tokens: int = 1
 
 
 @dataclass
@@ -46,6 +62,9 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (set on first admit)
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of the full blocks so far
+    remote_prefill: RemotePrefillParams | None = None  # decode worker: may prefill remotely (first admit only)
+    kv_export_start: int | None = None  # prefill worker: keep blocks at finish to export KV from this token
+    num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
 
     @property
     def all_token_ids(self) -> list[int]:

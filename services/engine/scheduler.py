@@ -4,6 +4,15 @@ Each round picks S_t with sum(q_i) <= B_t: running requests first (their decode 
 next chunk of an unfinished prefill), then waiting requests FCFS while the budget, max_num_seqs
 and free blocks allow. A running request that cannot get a block preempts the most recently
 admitted running request (recompute: its blocks are freed, it returns to the head of the queue).
+
+Disaggregated hooks (the worker's engine thread calls them between steps):
+- decode worker: a waiting request with `remote_prefill` whose uncached prompt part is at least
+  `min_remote_tokens` is admitted into `waiting_for_kv` with all its prompt blocks allocated and
+  nothing scheduled; it is listed once in `take_remote_prefills()`. `finish_remote_prefill`
+  (KV written, first token known) moves it to running; `fallback_to_local_prefill` (transfer
+  failed) moves it to running with its suffix still to compute.
+- prefill worker: a request with `kv_export_start` keeps its blocks when it finishes normally
+  (`kv_held`) until `release_held` is called after the KV is exported.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()  # ids whose full data the runner holds
         self.num_preemptions = 0
+        self.waiting_for_kv: dict[str, Request] = {}  # admitted, KV coming from a prefill worker
+        self.kv_held: dict[str, Request] = {}  # finished, blocks kept until their KV is exported
+        self._new_remote_prefills: list[Request] = []
 
     # -- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -42,16 +54,56 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_for_kv[request_id]
             else:
                 self.waiting.remove(request)
             request.finish(reason)
-            self._free(request)
+            self._free(request, hold=reason != FinishReason.ABORT)
             finished.append(request)
         return finished
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def has_schedulable_requests(self) -> bool:
+        """False when every unfinished request is waiting for remote KV (nothing to step)."""
+        return bool(self.waiting or self.running)
+
+    # -- disaggregated prefill ---------------------------------------------------------------
+    def take_remote_prefills(self) -> list[Request]:
+        """Requests admitted into `waiting_for_kv` since the last call (each listed once)."""
+        taken, self._new_remote_prefills = self._new_remote_prefills, []
+        return [r for r in taken if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
+
+    def finish_remote_prefill(self, request_id: str, token_id: int) -> Request:
+        """The prompt's KV is in the request's blocks and `token_id` is its first output token."""
+        request = self.waiting_for_kv.pop(request_id)
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.output_token_ids.append(token_id)
+        request.status = RequestStatus.RUNNING
+        reason = self._check_stop(request, token_id)
+        if reason is not None:
+            request.finish(reason)
+            self._free(request)
+        else:
+            self.running.append(request)
+        return request
+
+    def fallback_to_local_prefill(self, request_id: str) -> None:
+        """The remote prefill failed: compute the uncached suffix here, in the blocks it holds."""
+        request = self.waiting_for_kv.pop(request_id)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a finished request's blocks once its KV has been exported."""
+        request = self.kv_held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
 
     # -- one round -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -79,11 +131,17 @@ class Scheduler:
             i += 1
 
         while self.waiting and budget > 0 and not out.preempted_req_ids:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.waiting_for_kv) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
+            remote = request.remote_prefill
+            if remote is not None and num_new >= remote.min_remote_tokens:
+                if not self._admit_for_remote_kv(request, hit_blocks, num_hit_tokens):
+                    break
+                continue
+            request.remote_prefill = None  # prefilled here; a resumed request recomputes locally
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
@@ -99,6 +157,20 @@ class Scheduler:
             self._schedule(out, request, num_new, new_blocks)
             budget -= num_new
         return out
+
+    def _admit_for_remote_kv(self, request: Request, hit_blocks, num_hit_tokens: int) -> bool:
+        num_new = request.num_tokens - num_hit_tokens
+        if self.kv.allocate_slots(request, num_new, hit_blocks, cache=False) is None:
+            return False
+        self.waiting.popleft()
+        request.remote_prefill = None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.waiting_for_kv[request.request_id] = request
+        self._new_remote_prefills.append(request)
+        return True
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, new_blocks) -> None:
         request_id = request.request_id
@@ -162,8 +234,11 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _free(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free(self, request: Request, hold: bool = True) -> None:
+        if hold and request.kv_export_start is not None:
+            self.kv_held[request.request_id] = request  # freed by release_held after the export
+        else:
+            self.kv.free(request)
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)

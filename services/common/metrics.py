@@ -1,0 +1,144 @@
+"""Prometheus metrics of the services, with the names the Gateway API Inference Extension reads
+from model servers by default (vLLM's): `vllm:num_requests_waiting` (queued),
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc` (also as the older
+`vllm:gpu_cache_usage_perc`), plus TTFT / inter-token-latency histograms and prefix-cache
+counters. moemesh-only metrics use the `moemesh:` prefix.
+
+Each service owns one `CollectorRegistry` (no process-global default registry), created in its
+`main()`. Gauges and counters of the engine are read from a stats callable at scrape time.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+
+
+class LatencyWindow:
+    """The last `size` samples of a latency, for the p90 a worker heartbeats into the registry."""
+
+    def __init__(self, size: int = 256):
+        self._samples: collections.deque[float] = collections.deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        self._samples.append(seconds)
+
+    def quantile(self, q: float) -> float:
+        if not self._samples:
+            return 0.0
+        ordered = sorted(self._samples)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class _EngineStatsCollector:
+    """Exports an engine's `stats()` dict (read at scrape time) as gauges and counters."""
+
+    def __init__(self, stats: Callable[[], dict], labels: dict[str, str]):
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self):
+        stats = self._stats() or {}
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name, doc, value):
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name, doc, value):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for admission (queued).", stats.get("num_waiting", 0))
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats.get("num_running", 0))
+        usage = stats.get("kv_usage", 0.0)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full); older name.", usage)
+        yield gauge("moemesh:num_requests_waiting_for_kv", "Admitted requests waiting for remote KV.",
+                    stats.get("num_waiting_for_kv", 0))  # fmt: skip
+        yield gauge("moemesh:kv_blocks_used", "KV blocks referenced by requests.", stats.get("num_blocks_used", 0))
+        yield gauge("moemesh:kv_blocks_total", "KV blocks in the pool.", stats.get("num_blocks_total", 0))
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.get("prefix_cache_queries", 0))  # fmt: skip
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      stats.get("prefix_cache_hits", 0))  # fmt: skip
+        yield counter("vllm:num_preemptions", "Preempted requests.", stats.get("num_preemptions", 0))
+
+
+class WorkerMetrics:
+    """A prefill/decode worker's metrics; latency observations come from its servicer."""
+
+    def __init__(self, model_name: str, worker_id: str, stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "worker_id": worker_id}
+        self.registry.register(_EngineStatsCollector(stats, labels))
+        names = list(labels)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", names,
+                             buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.requests = Counter("moemesh:requests_finished", "Finished requests by reason.",
+                                [*names, "finished_reason"], registry=self.registry)  # fmt: skip
+        self._labels = labels
+        self.kv_bytes = Counter("moemesh:kv_transfer_bytes", "KV bytes received from / sent to peers.",
+                                [*names, "direction"], registry=self.registry)  # fmt: skip
+        self.kv_seconds = Histogram("moemesh:kv_transfer_seconds", "Duration of one KV transfer.", names,
+                                    buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.ttft_window = LatencyWindow()
+        self.itl_window = LatencyWindow()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.ttft_window.add(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.itl_window.add(seconds)
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(**self._labels, finished_reason=reason).inc()
+
+    def transferred(self, direction: str, num_bytes: int, seconds: float) -> None:
+        self.kv_bytes.labels(**self._labels, direction=direction).inc(num_bytes)
+        self.kv_seconds.observe(seconds)
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+        names = list(labels)
+        self.ttft = Histogram("moemesh:router_time_to_first_token_seconds", "TTFT seen by the router.", names,
+                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.itl = Histogram("moemesh:router_inter_token_latency_seconds", "Inter-token latency seen by the router.",
+                             names, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.requests = Counter("moemesh:router_requests", "Requests by outcome.", [*names, "outcome"],
+                                registry=self.registry)  # fmt: skip
+        self.routed = Counter("moemesh:router_routed", "Requests routed per worker and role.",
+                              [*names, "worker_id", "role"], registry=self.registry)  # fmt: skip
+        self.in_flight = Gauge("vllm:num_requests_running", "Requests in flight through the router.", names,
+                               registry=self.registry).labels(**labels)  # fmt: skip
+        self.prompt_tokens = Counter("moemesh:router_prompt_tokens", "Prompt tokens routed.", names,
+                                     registry=self.registry).labels(**labels)  # fmt: skip
+        self.cached_tokens = Counter("moemesh:router_cached_prompt_tokens", "Prompt tokens served from a prefix cache.",
+                                     names, registry=self.registry).labels(**labels)  # fmt: skip
+        self.redis_up = Gauge("moemesh:router_redis_up", "1 while Redis answers.", names,
+                              registry=self.registry).labels(**labels)  # fmt: skip
+        self.decision_seconds = Histogram("moemesh:router_decision_seconds", "Routing decision time.", names,
+                                          buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+                                          registry=self.registry).labels(**labels)  # fmt: skip
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(**self._labels, outcome=outcome).inc()
+
+    def route(self, worker_id: str, role: str) -> None:
+        self.routed.labels(**self._labels, worker_id=worker_id, role=role).inc()

@@ -1,0 +1,164 @@
+"""DecodeWorker gRPC servicer: translation between proto and the engine, plus the remote-prefill
+hand-off (decode-first flow).
+
+Generate(request, prefill_endpoint): the engine admits the request reusing this worker's cached
+prefix. If it parks the request for remote KV (`RemotePrefillNeeded`: a prefill endpoint was
+given and at least `min_remote_prefill_tokens` prompt tokens are uncached), the servicer fetches
+the KV and first token through the KV transport and hands them to the engine; if the transfer
+fails the engine prefills locally. Tokens stream back one message per engine step. A cancelled
+call aborts the request here, and (by cancelling the transfer) on the prefill worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from moemesh.common import telemetry
+from moemesh.common.metrics import WorkerMetrics
+from moemesh.engine.async_engine import AsyncEngine, EngineDeadError, RemotePrefillNeeded
+from moemesh.engine.errors import InvalidRequestError
+from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemotePrefillTask
+from moemesh.engine.outputs import RequestOutput
+from moemesh.engine.request import RemotePrefillParams
+from moemesh.prefill.convert import FINISH_REASONS, logprob_to_proto, sampling_from_proto
+from moemesh.prefill.servicer import load_report
+from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, telemetry_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        transport: KVTransport,
+        worker_id: str,
+        role: str,
+        metrics: WorkerMetrics,
+        min_remote_prefill_tokens: int,
+        kv_transfer_timeout_s: float,
+        max_queued_requests: int,
+    ):
+        self.engine = engine
+        self.transport = transport
+        self.worker_id = worker_id
+        self.role = role
+        self.metrics = metrics
+        self.remote_params = RemotePrefillParams(min_remote_tokens=min_remote_prefill_tokens)
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.max_queued_requests = max_queued_requests
+        self._tracer = telemetry.tracer("moemesh.decode")
+
+    async def Generate(self, request: decode_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
+        if not self.engine.is_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if self.engine.stats.get("num_waiting", 0) >= self.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_queued_requests} requests queued")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as e:
+            await _abort_invalid(context, e)
+        arrival = time.monotonic()
+        span = self._tracer.start_span("decode.generate", context=telemetry.extract_context(context))
+        span.set_attribute("moemesh.request_id", request.request_id)
+        span.set_attribute("moemesh.worker_id", self.worker_id)
+        span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
+        ctx = telemetry.child_context(span)
+        remote = self.remote_params if request.prefill_endpoint else None
+        events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params, remote_prefill=remote)
+        num_remote_tokens = 0
+        last = None
+        phase = self._tracer.start_span("queue", context=ctx)
+        try:
+            async for event in events:
+                if isinstance(event, RemotePrefillNeeded):
+                    phase.end()
+                    num_remote_tokens = await self._remote_prefill(request, event, ctx)
+                    phase = self._tracer.start_span("decode", context=ctx)
+                    continue
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.observe_ttft(now - arrival)
+                    if not num_remote_tokens:
+                        phase.end()
+                        phase = self._tracer.start_span("decode", context=ctx)
+                else:
+                    self.metrics.observe_itl(now - last)
+                last = now
+                yield self._response(event, num_remote_tokens)
+                if event.finished:
+                    self.metrics.finished(event.finish_reason)
+                    span.set_attribute("moemesh.num_output_tokens", len(event.token_ids))
+                    span.set_attribute("moemesh.num_cached_tokens", event.num_cached_tokens)
+                    span.set_attribute("moemesh.num_remote_prefill_tokens", num_remote_tokens)
+        except InvalidRequestError as e:
+            await _abort_invalid(context, e)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            phase.end()
+            span.end()
+            await events.aclose()
+
+    async def _remote_prefill(self, request, event: RemotePrefillNeeded, ctx) -> int:
+        """Fetch the KV of tokens [num_computed, len(prompt)); returns how many came remotely
+        (0 after a failure, when the engine prefills locally instead)."""
+        task = RemotePrefillTask(
+            endpoint=request.prefill_endpoint,
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling,
+            num_computed_tokens=event.num_computed_tokens,
+            layout=self.engine.engine.kv_layout,
+            timeout_s=self.kv_transfer_timeout_s,
+        )
+        with self._tracer.start_as_current_span("kv_transfer", context=ctx) as span:  # no yield inside
+            span.set_attribute("moemesh.prefill_endpoint", task.endpoint)
+            task = _with_metadata(task, telemetry.inject_metadata(telemetry.child_context(span)))
+            started = time.monotonic()
+            try:
+                kv = await self.transport.fetch(task)
+            except KVTransferError as e:
+                logger.warning("request %s: remote prefill failed (%s); prefilling locally", request.request_id, e)
+                span.set_attribute("moemesh.fallback", True)
+                await self.engine.fallback_to_local_prefill(request.request_id)
+                return 0
+            span.set_attribute("moemesh.num_bytes", kv.data.numel())
+            self.metrics.transferred("received", kv.data.numel(), time.monotonic() - started)
+            await self.engine.finish_remote_prefill(request.request_id, kv)
+            return kv.num_tokens
+
+    def _response(self, output: RequestOutput, num_remote: int) -> decode_pb2.WorkerGenerateResponse:
+        response = decode_pb2.WorkerGenerateResponse(
+            token_ids=output.new_token_ids,
+            num_cached_tokens=output.num_cached_tokens,
+            num_remote_prefill_tokens=num_remote,
+            worker_id=self.worker_id,
+        )
+        if output.logprobs is not None and output.new_token_ids:
+            response.logprobs.append(logprob_to_proto(output.logprobs[-1]))
+        if output.finished:
+            response.finish_reason = FINISH_REASONS[output.finish_reason]
+        return response
+
+    async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
+        for request_id in request.request_ids:
+            self.engine.abort(request_id)
+        return decode_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+    async def GetLoad(self, request, context) -> telemetry_pb2.LoadReport:
+        return load_report(self.engine, self.worker_id, self.role, self.metrics)
+
+
+def _with_metadata(task: RemotePrefillTask, metadata) -> RemotePrefillTask:
+    return dataclasses.replace(task, metadata=tuple(metadata))
+
+
+async def _abort_invalid(context, error: InvalidRequestError) -> None:
+    if error.param:
+        context.set_trailing_metadata((("moemesh-param", error.param),))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

@@ -1,0 +1,200 @@
+"""A prefill / decode / both worker process: one engine, its gRPC servicers, health, metrics,
+registry heartbeats and prefix-index events.
+
+Start-up: the gRPC server starts at once with health NOT_SERVING; the engine loads in its own
+thread; then the worker resyncs its (empty) prefix-index entry, heartbeats into the registry and
+turns SERVING. Shutdown (SIGTERM / SIGINT): NOT_SERVING, leave the registry and the index (so
+routers stop choosing it), stop the server with a grace period (in-flight requests finish or
+are cancelled, which aborts them and frees their blocks), stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import redis
+from prometheus_client import start_http_server
+
+from moemesh.common import redis_client, registry, telemetry
+from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
+from moemesh.common.local_cluster import watch_parent
+from moemesh.common.metrics import WorkerMetrics
+from moemesh.common.prefix_index import PrefixIndex
+from moemesh.common.prefix_publisher import PrefixIndexPublisher
+from moemesh.common.settings import EngineSettings, WorkerSettings
+from moemesh.decode.kv_client import GrpcKVTransport
+from moemesh.decode.servicer import DecodeServicer
+from moemesh.engine.async_engine import AsyncEngine
+from moemesh.prefill.servicer import PrefillServicer
+from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(settings: EngineSettings):
+    from moemesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from moemesh.engine.llm_engine import LLMEngine
+    from moemesh.engine.loader import default_model_path
+
+    config = EngineConfig(
+        model=ModelConfig(settings.model or default_model_path(), settings.dtype, settings.device,
+                          settings.max_model_len, settings.seed),  # fmt: skip
+        cache=CacheConfig(settings.block_size, settings.num_blocks, settings.kv_memory_gib),
+        scheduler=SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens),
+    )
+    return LLMEngine(config, show_progress=False)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.publisher: PrefixIndexPublisher | None = None
+        self.channels = ChannelPool()
+        self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
+        self._redis_ok = True
+        self._tasks: list[asyncio.Task] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        self.engine = AsyncEngine(lambda: build_engine(s.engine), loop, s.engine.num_threads, self._on_kv_events)
+        model_name = os.path.basename(s.engine.model or "SmolLM2-135M-Instruct")
+        self.metrics = WorkerMetrics(model_name, s.worker_id, lambda: self.engine.stats)
+        names = []
+        if s.role in ("decode", "both"):
+            names.append(decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
+        if s.role in ("prefill", "both"):
+            names.append(prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
+        self.health = HealthReporter(names)
+        server, port = create_server(s.host, s.grpc_port, self.health)
+        self._add_servicers(server)
+        await self.health.set_serving(False)
+        await server.start()
+        metrics_server = None
+        if s.metrics_port is not None:
+            metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
+        logger.info("worker %s (%s) listening on %s:%d; loading the model", s.worker_id, s.role, s.host, port)
+        self.engine.start()
+        try:
+            await _first(self.engine.wait_ready(), stop.wait())
+            if stop.is_set():
+                return
+            engine = self.engine.engine
+            self.publisher = PrefixIndexPublisher(
+                PrefixIndex(self.redis, s.mesh.mesh), s.worker_id, engine.budget.block_size, engine.model_id,
+                snapshot=lambda: self.engine.call(lambda e: e.kv_cache_manager.cached_block_hashes()),
+                ttl_s=s.mesh.heartbeat_ttl_s,
+            )  # fmt: skip
+            self._tasks = [asyncio.create_task(self.publisher.run()), asyncio.create_task(self._heartbeats())]
+            await self.publisher.flush()
+            await self._heartbeat_once()
+            await self.health.set_serving(True)
+            logger.info("worker %s serving on %s", s.worker_id, s.endpoint)
+            await stop.wait()
+        finally:
+            await self._shutdown(server, metrics_server)
+
+    def _add_servicers(self, server) -> None:
+        s = self.settings
+        if s.role in ("decode", "both"):
+            decode = DecodeServicer(
+                self.engine, GrpcKVTransport(self.channels), s.worker_id, s.role, self.metrics,
+                s.min_remote_prefill_tokens, s.kv_transfer_timeout_s, s.max_queued_requests,
+            )  # fmt: skip
+            decode_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
+        if s.role in ("prefill", "both"):
+            prefill = PrefillServicer(self.engine, s.worker_id, s.role, self.metrics, s.kv_chunk_bytes)
+            prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
+
+    def _on_kv_events(self, events) -> None:
+        if self.publisher is not None:
+            self.publisher.add(events)
+
+    # -- registry --------------------------------------------------------------------------
+    def _record(self) -> registry.WorkerRecord:
+        stats, s = self.engine.stats, self.settings
+        return registry.WorkerRecord(
+            worker_id=s.worker_id,
+            role=s.role,
+            endpoint=s.endpoint,
+            model=self.engine.engine.model_id,
+            num_queued=stats.get("num_waiting", 0) + stats.get("num_waiting_for_kv", 0),
+            num_running=stats.get("num_running", 0),
+            kv_usage=min(1.0, stats.get("kv_usage", 0.0)),
+            num_blocks_total=stats.get("num_blocks_total", 0),
+            num_blocks_used=stats.get("num_blocks_used", 0),
+            ttft_p90_s=self.metrics.ttft_window.quantile(0.9),
+            itl_p90_s=self.metrics.itl_window.quantile(0.9),
+        )
+
+    async def _heartbeat_once(self) -> None:
+        ttl = self.settings.mesh.heartbeat_ttl_s
+        try:
+            await asyncio.to_thread(registry.heartbeat, self.redis, self.settings.mesh.mesh, self._record(), ttl)
+            await asyncio.to_thread(PrefixIndex(self.redis, self.settings.mesh.mesh).reap_expired)
+        except redis.RedisError as e:
+            if self._redis_ok:
+                logger.warning("registry: Redis unreachable (%s); serving on, heartbeats resume when it returns", e)
+                self._redis_ok = False
+        else:
+            if not self._redis_ok:
+                logger.info("registry: Redis is back")
+                self._redis_ok = True
+        if self.publisher is not None:
+            await self.publisher.heartbeat()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.mesh.heartbeat_ttl_s / 3)
+            await self._heartbeat_once()
+
+    # -- shutdown --------------------------------------------------------------------------
+    async def _shutdown(self, server, metrics_server) -> None:
+        s = self.settings
+        logger.info("worker %s stopping", s.worker_id)
+        await self.health.set_serving(False)
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await asyncio.to_thread(registry.deregister, self.redis, s.mesh.mesh, s.worker_id)
+        except redis.RedisError:
+            pass
+        if self.publisher is not None:
+            await self.publisher.close()
+        await server.stop(s.shutdown_grace_s)
+        await self.health.shutdown()
+        await self.engine.stop()
+        await self.channels.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        self.redis.close()
+        logger.info("worker %s stopped", s.worker_id)
+
+
+async def _first(*aws) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    for task in done:
+        task.result()
+
+
+def main(settings: WorkerSettings) -> int:
+    """Run a worker until SIGTERM / SIGINT; returns the exit status."""
+    telemetry.setup_tracing(f"moemesh-{settings.role}", settings.mesh.trace_file)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watchdog = asyncio.create_task(watch_parent(settings.mesh.parent_pid, stop))
+        await Worker(settings).run(stop)
+        watchdog.cancel()
+
+    asyncio.run(run())
+    return 0

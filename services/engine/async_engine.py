@@ -1,0 +1,236 @@
+"""An LLMEngine driven by its own thread, for asyncio callers (the worker servicers).
+
+The engine thread is the only one that touches the LLMEngine. It loops: run the submitted
+commands, `step()` while there is work, then hand every event to the asyncio loop in one
+`call_soon_threadsafe`. Callers (in the loop):
+- `generate(...)` adds a request and yields its events: `RemotePrefillNeeded` (decode: fetch
+  the KV, then `finish_remote_prefill` or `fallback_to_local_prefill`), `RequestOutput`
+  deltas, and on a prefill worker an `ExportedKV` after the final output. Leaving the iteration
+  early (cancellation, client gone, `aclose()`) aborts the request and frees its blocks.
+- `call(fn)` runs `fn(engine)` between steps and returns its result (or raises its error).
+- `stats` is the latest `LLMEngine.stats()`, refreshed after every step, read without locking.
+- `kv_event_sink(events)` (optional) is called in the loop with each step's prefix-cache
+  changes (`KVEvents`), for the prefix-index publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moemesh.engine.kv_transfer import ExportedKV, RemoteKV
+from moemesh.engine.llm_engine import LLMEngine
+from moemesh.engine.outputs import RequestOutput
+from moemesh.engine.request import RemotePrefillParams
+from moemesh.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class RemotePrefillNeeded:
+    """Decode: the request's blocks are allocated; fetch KV from token `num_computed_tokens`."""
+
+    request_id: str
+    num_computed_tokens: int
+
+
+EngineEvent = RemotePrefillNeeded | RequestOutput | ExportedKV
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown or a crash); no more requests are served."""
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        build_engine: Callable[[], LLMEngine],
+        loop: asyncio.AbstractEventLoop,
+        num_threads: int | None = None,
+        kv_event_sink: Callable[[Any], None] | None = None,
+    ):
+        self._build_engine = build_engine
+        self._loop = loop
+        self._num_threads = num_threads
+        self._kv_event_sink = kv_event_sink
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ready: asyncio.Future = loop.create_future()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.engine: LLMEngine | None = None  # set once loaded; only the engine thread uses it
+        self.stats: dict = {}
+
+    # -- lifecycle (loop side) -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Returns once the model is loaded; raises the load error if loading failed."""
+        await asyncio.shield(self._ready)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.done() and self._ready.exception() is None
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    # -- requests (loop side) --------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        if self._stopping.is_set() or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        future = self._loop.create_future()
+        self._commands.put((fn, future))
+        return await future
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        remote_prefill: RemotePrefillParams | None = None,
+        kv_export_start: int | None = None,
+    ) -> AsyncIterator[EngineEvent]:
+        events: asyncio.Queue = asyncio.Queue()
+        if request_id in self._queues:
+            from moemesh.engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self._queues[request_id] = events
+        done = False
+        try:
+            await self.call(
+                lambda e: e.add_request(
+                    prompt_token_ids, params, request_id,
+                    remote_prefill=remote_prefill, kv_export_start=kv_export_start, detokenize=False,
+                )  # fmt: skip
+            )
+            while not done:
+                event = await events.get()
+                if isinstance(event, EngineDeadError):
+                    raise event
+                if isinstance(event, ExportedKV):
+                    done = True
+                elif isinstance(event, RequestOutput) and event.finished:
+                    done = kv_export_start is None or event.finish_reason == "abort"
+                yield event
+        finally:
+            self._queues.pop(request_id, None)
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in any state (no-op if unknown or finished); does not wait."""
+        if self._thread.is_alive():
+            self._commands.put((lambda e: self._dispatch_now(e.abort_request([request_id])), None))
+
+    async def finish_remote_prefill(self, request_id: str, kv: RemoteKV) -> None:
+        """Decode: write the fetched KV; the first token arrives through `generate`'s events."""
+        await self.call(lambda e: self._dispatch_now(e.finish_remote_prefill(request_id, kv)))
+
+    async def fallback_to_local_prefill(self, request_id: str) -> None:
+        await self.call(lambda e: e.fallback_to_local_prefill(request_id))
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        try:
+            self.engine = self._build_engine()
+        except BaseException as e:  # noqa: BLE001 - reported to whoever waits for readiness
+            logger.exception("engine failed to load")
+            self._loop.call_soon_threadsafe(_set_exception, self._ready, e)
+            return
+        self.stats = self.engine.stats()
+        self._loop.call_soon_threadsafe(_set_result, self._ready, None)
+        try:
+            while not self._stopping.is_set():
+                self._loop_once(self.engine)
+        except BaseException:
+            logger.exception("engine thread crashed")
+            raise
+        finally:
+            self._stopping.set()
+            self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _loop_once(self, engine: LLMEngine) -> None:
+        idle = not engine.scheduler.has_schedulable_requests
+        self._run_commands(engine, block=idle)
+        events: list = []
+        if engine.scheduler.has_schedulable_requests:
+            for output in engine.step():
+                events.append(output)
+                if output.finished and output.finish_reason != "abort":
+                    exported = engine.export_kv(output.request_id)
+                    if exported is not None:
+                        events.append(exported)
+        for request in engine.take_remote_prefills():
+            events.append(RemotePrefillNeeded(request.request_id, request.num_computed_tokens))
+        kv_events = engine.kv_cache_manager.drain_events()
+        self.stats = engine.stats()
+        if events or kv_events:
+            self._loop.call_soon_threadsafe(self._dispatch, events, kv_events)
+
+    def _run_commands(self, engine: LLMEngine, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            try:
+                result = fn(engine)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                if future is None:
+                    logger.exception("engine command failed")
+                else:
+                    self._loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                if future is not None:
+                    self._loop.call_soon_threadsafe(_set_result, future, result)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+        self._stopping.set()  # None: stop
+
+    def _dispatch_now(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, None)
+
+    # -- back in the loop ------------------------------------------------------------------
+    def _dispatch(self, events: list, kv_events) -> None:
+        for event in events:
+            target = self._queues.get(event.request_id)
+            if target is not None:
+                target.put_nowait(event)
+        if kv_events and self._kv_event_sink is not None:
+            self._kv_event_sink(kv_events)
+
+    def _fail_all(self) -> None:
+        for target in self._queues.values():
+            target.put_nowait(EngineDeadError("the engine stopped"))
+
+
+def _set_result(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,1 @@
+"""Prefill worker: prefills prompts and streams their KV to decode workers."""

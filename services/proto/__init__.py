@@ -1,0 +1,1 @@
+"""gRPC contracts (generated from proto/)."""

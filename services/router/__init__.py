@@ -1,0 +1,1 @@
+"""Router: OpenAI-compatible HTTP + gRPC front door, tokenization, KV-aware routing."""

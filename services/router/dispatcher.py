@@ -1,0 +1,227 @@
+"""One request through the mesh: hash the prompt's blocks, route, call the decode worker, detokenize
+incrementally, apply stop strings, and stream deltas back to the API layer.
+
+A worker that fails before sending any token is marked down and the request is retried on
+another one (up to `max_attempts`); a failure after tokens were streamed ends the request with
+`WorkerFailedError` (the client sees an error at once). Leaving the iteration early (client gone,
+stop string) cancels the worker call, which aborts the request on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from moemesh.common import telemetry
+from moemesh.common.block_hash import HashExtra, hash_block_chain
+from moemesh.common.grpc_util import ChannelPool
+from moemesh.common.metrics import RouterMetrics
+from moemesh.engine.detokenizer import IncrementalDetokenizer
+from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from moemesh.router.worker_pool import NoWorkerError, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                  common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
+
+
+class RouterError(Exception):
+    """An error for the client: `status` is the HTTP status, `code` the gRPC status."""
+
+    status = 500
+    code = grpc.StatusCode.INTERNAL
+    error_type = "server_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidRequest(RouterError):
+    status, code, error_type = 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+
+
+class ModelNotFound(RouterError):
+    status, code, error_type = 404, grpc.StatusCode.NOT_FOUND, "invalid_request_error"
+
+
+class Overloaded(RouterError):
+    status, code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_exceeded"
+
+
+class Unavailable(RouterError):
+    status, code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
+
+
+class WorkerFailedError(Unavailable):
+    """The decode worker failed after tokens were streamed."""
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far
+    num_cached_tokens: int = 0
+    worker_id: str = ""
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, channels: ChannelPool, tokenizer, extra: HashExtra, metrics: RouterMetrics,
+                 max_attempts: int = 3, first_token_timeout_s: float = 120.0):  # fmt: skip
+        self.pool = pool
+        self.channels = channels
+        self.tokenizer = tokenizer
+        self.extra = extra
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+        self.first_token_timeout_s = first_token_timeout_s
+        self._tracer = telemetry.tracer("moemesh.router")
+
+    def block_chain(self, prompt_token_ids: list[int]):
+        return hash_block_chain(prompt_token_ids, self.pool.block_size, self.extra)
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
+        span = self._tracer.start_span("router.generate")
+        span.set_attribute("moemesh.request_id", request.request_id)
+        span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
+        ctx = telemetry.child_context(span)
+        try:
+            chain = self.block_chain(request.prompt_token_ids)
+            cached = await self.pool.cached_prefixes(chain)
+            excluded: set[str] = set()
+            for attempt in range(self.max_attempts):
+                started = time.perf_counter()
+                try:
+                    route = self.pool.choose(chain, len(request.prompt_token_ids), cached, excluded)
+                except NoWorkerError as e:
+                    raise Unavailable(str(e)) from None
+                self.metrics.decision_seconds.observe(time.perf_counter() - started)
+                span.set_attribute("moemesh.decode_worker", route.decode.worker_id)
+                span.set_attribute("moemesh.cached_blocks", route.cached_blocks)
+                streamed = False
+                async with contextlib.aclosing(self._call(request, route, chain, ctx)) as deltas:
+                    async for delta in deltas:
+                        if delta is None:  # failed before any token: retry elsewhere
+                            break
+                        streamed = True
+                        yield delta
+                if streamed:
+                    return
+                excluded.add(route.decode.worker_id)
+                logger.info("request %s: retrying after decode worker %s failed (attempt %d)",
+                            request.request_id, route.decode.worker_id, attempt + 1)  # fmt: skip
+            raise Unavailable(f"no decode worker could serve the request after {self.max_attempts} attempts")
+        except RouterError as e:
+            span.set_attribute("moemesh.error", str(e))
+            raise
+        finally:
+            span.end()
+
+    async def _call(self, request: GenerateInput, route, chain, ctx) -> AsyncIterator[Delta | None]:
+        """Deltas of one attempt; a single None if the worker failed before the first token."""
+        worker = route.decode
+        call_request = decode_pb2.WorkerGenerateRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
+        )
+        stub = decode_pb2_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
+        call = stub.Generate(call_request, metadata=telemetry.inject_metadata(ctx))
+        blocks = self.pool.begin(route, chain, len(request.prompt_token_ids))
+        self.metrics.route(worker.worker_id, "decode")
+        if route.prefill is not None:
+            self.metrics.route(route.prefill.worker_id, "prefill")
+        detok = IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids)
+        num_output = 0
+        prefill_ended = False
+        started = last = time.monotonic()
+        try:
+            stream = call.__aiter__()
+            while True:
+                try:
+                    timeout = self.first_token_timeout_s if num_output == 0 else None
+                    message = await asyncio.wait_for(stream.__anext__(), timeout)
+                except StopAsyncIteration:
+                    raise Unavailable(f"decode worker {worker.worker_id} ended the stream early") from None
+                except TimeoutError:
+                    raise Unavailable(f"no first token from {worker.worker_id} in {self.first_token_timeout_s} s") from None
+                now = time.monotonic()
+                if num_output == 0:
+                    self.metrics.ttft.observe(now - started)
+                    self.pool.end_prefill(route, blocks)
+                    prefill_ended = True
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                delta = self._delta(detok, message, num_output, len(request.prompt_token_ids))
+                if delta.finish_reason == "abort":
+                    raise WorkerFailedError(f"decode worker {worker.worker_id} aborted the request")
+                num_output = delta.num_output_tokens
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if num_output == 0 and e.code() in _RETRYABLE:
+                self.pool.mark_down(worker)
+                yield None
+                return
+            raise _rpc_error(e, worker.worker_id, streamed=num_output > 0) from None
+        finally:
+            call.cancel()  # a no-op when the call completed; else aborts it on the workers
+            self.pool.end(route, blocks, prefill_ended)
+
+    def _delta(self, detok, message, num_output: int, num_prompt: int) -> Delta:
+        token_ids, logprobs = [], []
+        finish = FINISH_REASONS.get(message.finish_reason)
+        for i, token_id in enumerate(message.token_ids):
+            detok.append(token_id)
+            token_ids.append(token_id)
+            if i < len(message.logprobs):
+                logprobs.append(message.logprobs[i])
+            if detok.stopped:
+                finish = "stop"
+                break
+        return Delta(
+            text=detok.delta(finish is not None),
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            num_prompt_tokens=num_prompt,
+            num_output_tokens=num_output + len(token_ids),
+            num_cached_tokens=message.num_cached_tokens,
+            worker_id=message.worker_id,
+        )
+
+
+def _rpc_error(error: grpc.aio.AioRpcError, worker_id: str, streamed: bool) -> RouterError:
+    code, details = error.code(), error.details() or ""
+    param = dict(error.trailing_metadata() or ()).get("moemesh-param")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(details, param=param)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"decode worker {worker_id} is overloaded: {details}")
+    if streamed:
+        return WorkerFailedError(f"decode worker {worker_id} failed mid-stream ({code.name}): {details}")
+    return Unavailable(f"decode worker {worker_id}: {code.name}: {details}")

@@ -1,0 +1,60 @@
+"""The client-facing gRPC Generate API (moemesh.v1.Generate): translation to the frontend only."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import grpc
+
+from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError
+from moemesh.router.frontend import Frontend
+
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServicer):
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            inputs = [(0, self._input(request))]
+            first = True
+            async with contextlib.aclosing(self.frontend.run(inputs)) as deltas:
+                async for d in deltas:
+                    delta = d.delta
+                    response = generate_pb2.GenerateResponse(
+                        token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs,
+                        worker_id=delta.worker_id if first else "",
+                    )  # fmt: skip
+                    first = False
+                    if delta.finish_reason is not None:
+                        response.finish_reason = _FINISH.get(delta.finish_reason, common_pb2.FINISH_REASON_ABORT)
+                        response.usage.CopyFrom(generate_pb2.Usage(
+                            prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
+                            cached_tokens=delta.num_cached_tokens))  # fmt: skip
+                    yield response
+        except RouterError as e:
+            if e.param:
+                context.set_trailing_metadata((("moemesh-param", e.param),))
+            await context.abort(e.code, str(e))
+
+    def _input(self, request: generate_pb2.GenerateRequest) -> GenerateInput:
+        frontend = self.frontend
+        if request.model:
+            frontend.check_model(request.model)
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt is required (text or token_ids)", param="prompt")
+        prompt = frontend.tokenize(request.text if kind == "text" else list(request.token_ids.ids))
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if sampling.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {sampling.max_tokens}", param="max_tokens")
+        if sampling.temperature < 0 or not 0 <= sampling.top_p <= 1:
+            raise InvalidRequest("temperature must be >= 0 and top_p in (0, 1]", param="sampling")
+        if not all(request.stop):
+            raise InvalidRequest("stop strings must be non-empty", param="stop")
+        return GenerateInput(request.request_id or uuid.uuid4().hex, prompt, sampling, tuple(request.stop))

@@ -1,0 +1,121 @@
+"""The router process: HTTP (uvicorn) and gRPC servers in one asyncio loop, plus the worker
+pool's refresh task. Built once from RouterSettings; stops on SIGTERM / SIGINT (uvicorn's
+handlers), then stops the gRPC server and closes the worker channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+import redis
+import uvicorn
+
+from moemesh.common import redis_client, registry, telemetry
+from moemesh.common.block_hash import HashExtra
+from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
+from moemesh.common.local_cluster import watch_parent
+from moemesh.common.metrics import RouterMetrics
+from moemesh.common.settings import RouterSettings, RoutingSettings
+from moemesh.engine.loader import default_model_path, open_checkpoint
+from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
+from moemesh.router.dispatcher import Dispatcher
+from moemesh.router.frontend import Frontend
+from moemesh.router.grpc_api import GenerateServicer
+from moemesh.router.http_api import build_app
+from moemesh.router.policy import make_policy
+from moemesh.router.worker_pool import DECODE_ROLES, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+def build_frontend(settings: RouterSettings, client: redis.Redis, channels: ChannelPool) -> tuple[Frontend, WorkerPool]:
+    path = settings.model or default_model_path()
+    checkpoint = open_checkpoint(path)  # tokenizer + chat template only; never the model
+    name = settings.served_model_name or os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+    max_len = settings.max_model_len or int(checkpoint.hf_config.get("max_position_embeddings") or 1 << 30)
+    metrics = RouterMetrics(name)
+    routing = settings.routing
+    pool = WorkerPool(
+        client, settings.mesh.mesh, make_policy(routing),
+        make_policy(RoutingSettings("kv_aware" if routing.policy == "kv_aware" else "least_loaded",
+                                    routing.prefill_weight, 0.0)),
+        settings.block_size, routing.disaggregated, settings.decode_endpoints, settings.prefill_endpoints,
+        settings.refresh_interval_s, missing_grace_s=settings.mesh.heartbeat_ttl_s,
+    )  # fmt: skip
+    extra = HashExtra(model_id=checkpoint.model_id, cache_salt=settings.cache_salt)
+    dispatcher = Dispatcher(pool, channels, checkpoint.tokenizer, extra, metrics,
+                            first_token_timeout_s=settings.first_token_timeout_s)  # fmt: skip
+    vocab = int(checkpoint.hf_config.get("vocab_size") or checkpoint.tokenizer.vocab_size)
+    frontend = Frontend(dispatcher, checkpoint.tokenizer, name, max_len, vocab, metrics, settings.max_in_flight)
+    return frontend, pool
+
+
+async def serve(settings: RouterSettings) -> None:
+    client = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
+    channels = ChannelPool()
+    frontend, pool = build_frontend(settings, client, channels)
+    await pool.refresh()
+    frontend.metrics.redis_up.set_function(lambda: 1.0 if pool.redis_ok else 0.0)
+    refresh = asyncio.create_task(pool.run())
+    grpc_server = None
+    if settings.grpc_port is not None:
+        health = HealthReporter([generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name])
+        grpc_server, port = create_server(settings.host, settings.grpc_port, health)
+        generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(frontend), grpc_server)
+        await grpc_server.start()
+        await health.set_serving(True)
+        logger.info("gRPC Generate API on %s:%d", settings.host, port)
+    app = build_app(frontend, lambda: len(pool.live(DECODE_ROLES)))
+    config = uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    logger.info("OpenAI API for %r on http://%s:%d/v1 (policy %s, %s)", frontend.model_name, settings.host,
+                settings.http_port, settings.routing.policy,
+                "disaggregated" if settings.routing.disaggregated else "aggregated")  # fmt: skip
+    heartbeats = asyncio.create_task(_heartbeats(settings, client, frontend))
+    server = uvicorn.Server(config)
+    orphaned = asyncio.Event()
+    watchdog = asyncio.create_task(watch_parent(settings.mesh.parent_pid, orphaned))
+    orphaned_exit = asyncio.create_task(_exit_when(orphaned, server))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+        orphaned_exit.cancel()
+        heartbeats.cancel()
+        with contextlib.suppress(redis.RedisError):
+            await asyncio.to_thread(registry.deregister, client, settings.mesh.mesh, settings.router_id)
+        refresh.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresh
+        if grpc_server is not None:
+            await grpc_server.stop(2)
+        await channels.close()
+        client.close()
+        logger.info("router stopped")
+
+
+async def _heartbeats(settings: RouterSettings, client: redis.Redis, frontend: Frontend) -> None:
+    """The router's own registry record (role 'router'), for the operator's telemetry."""
+    port = settings.grpc_port or settings.http_port
+    while True:
+        record = registry.WorkerRecord(
+            worker_id=settings.router_id, role="router", endpoint=f"{settings.advertise_host}:{port}",
+            model=frontend.model_name, num_running=frontend.in_flight,
+        )  # fmt: skip
+        with contextlib.suppress(redis.RedisError):
+            await asyncio.to_thread(registry.heartbeat, client, settings.mesh.mesh, record, settings.mesh.heartbeat_ttl_s)
+        await asyncio.sleep(settings.mesh.heartbeat_ttl_s / 3)
+
+
+async def _exit_when(event: asyncio.Event, server: uvicorn.Server) -> None:
+    await event.wait()
+    server.should_exit = True
+
+
+def main(settings: RouterSettings) -> int:
+    telemetry.setup_tracing("moemesh-router", settings.mesh.trace_file)
+    asyncio.run(serve(settings))
+    return 0

@@ -1,0 +1,197 @@
+"""OpenAI-compatible request bodies (validated at the boundary) and response objects.
+
+Unknown fields are ignored, as OpenAI-compatible servers usually do; fields we cannot honour
+with a non-default value (echo, best_of, penalties, tools, ...) are rejected with a 400 naming
+the field. moemesh extensions: top_k, min_p, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moemesh.proto.v1 import common_pb2
+from moemesh.router.dispatcher import InvalidRequest
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4 or not all(stop):
+            raise InvalidRequest("stop must be up to 4 non-empty strings", param="stop")
+        return tuple(stop)
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
+
+    def sampling(self, max_tokens: int, logprobs: int | None, choice: int) -> common_pb2.SamplingParams:
+        params = common_pb2.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+        )  # fmt: skip
+        if self.seed is not None:
+            params.seed = self.seed + choice  # n > 1: distinct but reproducible choices
+        if logprobs is not None:
+            params.logprobs = logprobs
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.best_of not in (None, 1, self.n):
+            raise InvalidRequest("best_of is not supported", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text is supported
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest("only text content parts are supported", param="messages")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise InvalidRequest("tools are not supported", param="tools")
+        if not self.messages:
+            raise InvalidRequest("messages must be a non-empty list", param="messages")
+
+    def conversation(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+# -- responses ---------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class LogprobFormatter:
+    """OpenAI logprob objects from TokenLogprob messages (tokens as their decoded text)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(self, logprobs: list[common_pb2.TokenLogprob], text_offset: int) -> dict:
+        tokens = [self.token(lp.token_id) for lp in logprobs]
+        offsets, offset = [], text_offset
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                {self.token(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def chat(self, logprobs: list[common_pb2.TokenLogprob]) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            token = self.token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob),
+                 "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}  # fmt: skip
+                for lp in logprobs
+            ]
+        }

@@ -1,0 +1,314 @@
+"""A local cluster (router + 1 prefill + 2 decode workers, real Redis, gRPC on loopback) against
+the official `openai` client and the offline engine as the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from moemesh.common.prefix_index import PrefixIndex
+from moemesh.common.redis_client import connect
+from moemesh.engine.sampling_params import SamplingParams
+from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.services.cluster_helpers import (
+    ROUTER_ARGS,
+    decode_workers,
+    generate,
+    load,
+    load_any,
+    metrics_port,
+    test_cluster,
+    wait_until,
+    workers,
+)
+
+MESH = "api"
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the ocean:",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+    "A good way to learn a new language is",
+    "The largest planet in the solar system is",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster-api")
+    with test_cluster(redis_server.url, MESH, logs) as cluster:
+        cluster.add_router("router-rr", "round_robin", ROUTER_ARGS)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def offline(offline_llm, prompt, max_tokens: int, **params):
+    (output,) = offline_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
+    return output
+
+
+def test_models_lists_the_served_model(client, model):
+    assert [m.id for m in client.models.list().data] == [model] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_completions_equal_the_offline_engine_with_exact_usage(client, model, offline_llm, tokenizer, stream):
+    for prompt in PROMPTS[:3]:
+        expected = offline(offline_llm, prompt, 16)
+        if stream:
+            chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))  # fmt: skip
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+        else:
+            response = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+            text, finish, usage = response.choices[0].text, [response.choices[0].finish_reason], response.usage
+        assert text == expected.text
+        assert finish == [expected.finish_reason]
+        assert usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert usage.completion_tokens == len(expected.token_ids)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_chat_equals_the_offline_chat(client, model, offline_llm, stream):
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a fruit."}]
+    (expected,) = offline_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20))
+    if stream:
+        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
+                                                      stream=True))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    else:
+        response = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+        text = response.choices[0].message.content
+        assert response.usage.completion_tokens == len(expected.token_ids)
+        assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert text == expected.text
+
+
+def test_stop_strings_cut_the_text_like_the_offline_engine(client, model, offline_llm):
+    prompt = "List three animals: cat, dog,"
+    expected = offline(offline_llm, prompt, 24, stop=(",",))
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[","])
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_n_and_seed(client, model, offline_llm, tokenizer):
+    response = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(first, abs=1e-5)
+               for top, first in zip(lp.top_logprobs, lp.token_logprobs))  # fmt: skip
+    expected = offline(offline_llm, PROMPTS[0], 4, logprobs=2)
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in expected.logprobs], abs=1e-3)
+    sampled = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3, seed=7)
+    again = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3, seed=7)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in sampled.choices}) > 1  # each choice has its own seed
+    assert sampled.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[1]))  # counted once for n choices
+    assert 3 <= sampled.usage.completion_tokens <= 24
+
+
+def test_repeated_prompt_reports_cached_prompt_tokens(client, model):
+    prompt = "Tell me about the history of the bicycle. " * 12
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_disaggregated_equals_aggregated_equals_offline_on_8_prompts(cluster, offline_llm, tokenizer):
+    decode_a, decode_b = decode_workers(cluster)
+    prefill = cluster.services["prefill-0"]
+    for i, text in enumerate(PROMPTS):
+        prompt = tokenizer.encode(f"Request {i} of the parity test. {text}")
+        expected = offline(offline_llm, prompt, 12)
+        disaggregated, remote = call_decode(decode_a, prompt, prefill.grpc_endpoint, f"disagg-{i}")
+        aggregated, local = call_decode(decode_b, prompt, "", f"agg-{i}")
+        assert remote == len(prompt) and local == 0  # KV really came from the prefill worker
+        assert disaggregated == aggregated == expected.token_ids
+
+
+def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: str) -> tuple[list[int], int]:
+    request = decode_pb2.WorkerGenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, prefill_endpoint=prefill_endpoint,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=12),
+    )  # fmt: skip
+    token_ids, remote = [], None
+    with grpc.insecure_channel(worker.grpc_endpoint) as channel:
+        for message in decode_pb2_grpc.DecodeWorkerStub(channel).Generate(request, timeout=60):
+            token_ids += message.token_ids
+            remote = message.num_remote_prefill_tokens if remote is None else remote
+    return token_ids, remote
+
+
+def test_router_hash_chain_equals_the_blocks_the_worker_cached(cluster, tokenizer, redis_server):
+    from moemesh.common.grpc_util import ChannelPool
+    from moemesh.common.settings import RouterSettings
+    from moemesh.router.main import build_frontend
+
+    index = PrefixIndex(connect(redis_server.url), MESH)
+    router = cluster.services["router"]
+    frontend, _ = build_frontend(RouterSettings(), connect(redis_server.url), ChannelPool())  # the router's code path
+    prompt = frontend.tokenize("Parity of block keys between the router and the engine. " * 8)
+    assert len(prompt) % 16 != 0
+    chain = frontend.dispatcher.block_chain(prompt)
+    assert len(chain) == len(prompt) // 16
+    _, worker_id, usage = generate(router, prompt, max_tokens=2)
+    assert usage.cached_tokens == 0
+    wait_until(lambda: set(chain) <= index.worker_blocks(worker_id), message="the worker's blocks in the index")
+    _, again_worker, usage = generate(router, prompt, max_tokens=2)
+    assert again_worker == worker_id
+    assert usage.cached_tokens == len(chain) * 16  # the engine reused exactly those blocks
+
+
+def test_kv_aware_sends_a_shared_prefix_to_the_worker_holding_it_and_round_robin_does_not(cluster, tokenizer):
+    kv_router, rr_router = cluster.services["router"], cluster.services["router-rr"]
+    decode = {w.name: w for w in decode_workers(cluster)}
+
+    def run(router, topic: str) -> tuple[list[str], dict[str, int]]:
+        system = tokenizer.encode(f"You are an expert on {topic}. Answer every question about {topic} carefully. " * 6)
+        hits_before = {name: load(w).prefix_cache_hits for name, w in decode.items()}
+        served = [generate(router, system + tokenizer.encode(f" Question {q}:"), max_tokens=2)[1] for q in range(6)]
+        hits = {name: load(w).prefix_cache_hits - hits_before[name] for name, w in decode.items()}
+        return served, hits, len(system)
+
+    served, hits, prefix_len = run(kv_router, "volcanoes")
+    assert len(set(served)) == 1
+    holder = served[0]
+    assert hits[holder] >= 5 * (prefix_len // 16) * 16  # every later request reused the prefix
+    assert sum(hits.values()) == hits[holder]
+    served, hits, prefix_len = run(rr_router, "glaciers")
+    assert set(served) == set(decode)  # spread over both workers, holder or not
+    assert sum(hits.values()) < 5 * (prefix_len // 16) * 16
+
+
+def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(cluster, client, model):
+    raw = httpx.post(cluster.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    cases = [
+        (404, "model", lambda: client.completions.create(model="no-such-model", prompt="hi")),
+        (400, "max_tokens", lambda: client.completions.create(model=model, prompt="hi", max_tokens=-3)),
+        (400, "prompt", lambda: client.completions.create(model=model, prompt="word " * 1100, max_tokens=4)),
+        (400, "messages", lambda: client.chat.completions.create(model=model, messages=[])),
+        (400, "temperature", lambda: client.completions.create(model=model, prompt="hi", temperature=-1)),
+    ]
+    for status, param, call in cases:
+        with pytest.raises(openai.APIStatusError) as error:
+            call()
+        assert (error.value.status_code, error.value.body["param"]) == (status, param), error.value.body
+        assert error.value.body["message"]
+    assert client.completions.create(model=model, prompt="Still alive?", max_tokens=2).choices[0].text
+
+
+def test_health_and_prometheus_metrics_on_every_service(cluster, client, model):
+    client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=2)
+    health = json.loads(urllib.request.urlopen(cluster.url + "/health").read())
+    assert health == {"status": "ok", "decode_workers": 2}
+    router_metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
+    for name in ("moemesh:router_time_to_first_token_seconds_bucket", "moemesh:router_routed_total",
+                 "moemesh:router_redis_up", "moemesh:router_decision_seconds_bucket"):  # fmt: skip
+        assert name in router_metrics
+    for worker in workers(cluster):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(worker)}/metrics").read().decode()
+        for name in ("vllm:num_requests_waiting{", "vllm:num_requests_running{", "vllm:kv_cache_usage_perc{",
+                     "vllm:prefix_cache_hits_total{", "vllm:time_to_first_token_seconds_bucket{"):  # fmt: skip
+            assert name in text, (worker.name, name)
+    decode_text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(decode_workers(cluster)[0])}/metrics").read()
+    assert b"vllm:inter_token_latency_seconds_bucket{" in decode_text
+
+
+def test_traces_follow_a_request_from_router_to_decode_to_prefill(cluster):
+    spans = []
+    for service in cluster.services.values():
+        with open(service.log_path.replace(".log", ".jsonl")) as f:
+            spans += [json.loads(line) for line in f]
+    by_id = {s["span_id"]: s for s in spans}
+
+    def service_of_parent(span):
+        parent = by_id.get(span["parent_id"])
+        return (parent["service"], parent["name"]) if parent else None
+
+    prefill = [s for s in spans if s["name"] == "prefill"]
+    assert prefill, "no prefill spans"
+    chains = []
+    for span in prefill:
+        transfer = by_id.get(span["parent_id"])
+        decode = by_id.get(transfer["parent_id"]) if transfer else None
+        router = by_id.get(decode["parent_id"]) if decode else None
+        if router:
+            chains.append((router["service"], router["name"], decode["service"], decode["name"],
+                           transfer["name"], span["service"]))  # fmt: skip
+            assert router["trace_id"] == decode["trace_id"] == span["trace_id"]
+    assert ("moemesh-router", "router.generate", "moemesh-decode", "decode.generate", "kv_transfer",
+            "moemesh-prefill") in chains  # fmt: skip
+    assert {"queue", "decode"} <= {s["name"] for s in spans if s["service"] == "moemesh-decode"}
+
+
+def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(cluster, model):
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        semaphore = asyncio.Semaphore(12)
+
+        async def one(i: int) -> str:
+            async with semaphore:
+                prompt = f"Request number {i}: tell me something about the number {i}."
+                kind = i % 5
+                if kind == 0:  # stream, cancelled after the first chunk
+                    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=64, stream=True)
+                    async for _ in stream:
+                        break
+                    await stream.close()
+                    return "cancelled"
+                if kind == 1:  # plain request, client gives up before the end
+                    try:
+                        await client.with_options(timeout=0.3).completions.create(model=model, prompt=prompt,
+                                                                                  max_tokens=200, extra_body={"ignore_eos": True})  # fmt: skip
+                    except openai.APITimeoutError:
+                        return "timed out"
+                    return "finished"
+                stop = ["e"] if kind == 2 else None
+                response = await client.completions.create(model=model, prompt=prompt, max_tokens=4, stop=stop,
+                                                           temperature=0.7, stream=kind == 3)  # fmt: skip
+                if kind == 3:
+                    async for _ in response:
+                        pass
+                return "finished"
+
+        outcomes = await asyncio.gather(*[one(i) for i in range(200)])
+        await client.close()
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert outcomes.count("cancelled") == 40 and len(outcomes) == 200
+
+    def idle() -> bool:
+        reports = [load_any(w) for w in workers(cluster)]
+        return all(r.num_blocks_used == 0 and r.num_running == 0 and r.num_waiting == 0 and r.num_waiting_for_kv == 0
+                   for r in reports)  # fmt: skip
+
+    wait_until(idle, timeout_s=30, message="every worker back to zero blocks in use")
+    metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
+    assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct.Q4_1"} 0.0' in metrics

@@ -1,0 +1,154 @@
+"""Faults against a local cluster with its own redis-server: a prefix-index sequence gap, Redis
+stopped and restarted, a decode worker killed mid-stream, and the Redis state of stopped workers."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import openai
+import pytest
+
+from moemesh.common import registry
+from moemesh.common.local_cluster import RedisServer
+from moemesh.common.prefix_index import PrefixIndex, meta_key
+from moemesh.common.redis_client import connect
+from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.services.cluster_helpers import decode_workers, load, test_cluster, wait_until
+
+MESH = "faults"
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory):
+    with test_cluster(redis_server.url, MESH, tmp_path_factory.mktemp("cluster-faults")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def redis_client(redis_server):
+    client = connect(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def killed() -> list[str]:
+    """Names of workers a test killed (later tests check what they left behind)."""
+    return []
+
+
+def generate_on(worker, prompt_token_ids: list[int], request_id: str) -> list[int]:
+    request = decode_pb2.WorkerGenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt_token_ids,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=2),
+    )  # fmt: skip
+    with grpc.insecure_channel(worker.grpc_endpoint) as channel:
+        return [t for m in decode_pb2_grpc.DecodeWorkerStub(channel).Generate(request, timeout=60) for t in m.token_ids]
+
+
+def test_a_sequence_gap_makes_the_worker_resync_its_index_entry(cluster, redis_client, tokenizer):
+    from moemesh.common.block_hash import HashExtra, hash_block_chain
+    from moemesh.engine.loader import default_model_path, open_checkpoint
+
+    worker = decode_workers(cluster)[0]
+    index = PrefixIndex(redis_client, MESH)
+    redis_client.hset(meta_key(MESH, worker.name), "seq", 1000)  # as if batches 1..1000 were applied elsewhere
+    prompt = tokenizer.encode("A gap in the event sequence forces a full resync of this worker. " * 4)
+    generate_on(worker, prompt, "gap-1")
+    chain = hash_block_chain(prompt, 16, HashExtra(open_checkpoint(default_model_path()).model_id))
+    wait_until(lambda: set(chain) <= index.worker_blocks(worker.name), message="the resynced index entry")
+    assert int(redis_client.hget(meta_key(MESH, worker.name), "seq")) < 1000
+    assert "not applied (gap, restart or reset); resyncing" in open(worker.log_path).read()
+
+
+def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_returns(
+    cluster, redis_server, redis_client, client, model
+):
+    index = PrefixIndex(redis_client, MESH)
+    worker_names = sorted(s.name for s in cluster.services.values() if s.role != "router")
+    wait_until(lambda: index.indexed_workers() == worker_names, message="every worker in the index")
+    redis_server.stop()
+    try:
+        for i in range(4):
+            response = client.completions.create(model=model, prompt=f"Redis is down, request {i}:", max_tokens=3)
+            assert response.choices[0].finish_reason in ("length", "stop")
+        streamed = client.completions.create(model=model, prompt="Streaming without Redis:", max_tokens=3, stream=True)
+        assert len([c for c in streamed]) >= 1
+    finally:
+        redis_server.start()
+    wait_until(lambda: sorted(w.worker_id for w in registry.list_workers(redis_client, MESH)
+                              if w.role != "router") == worker_names, timeout_s=15, message="registry rebuilt")  # fmt: skip
+    wait_until(lambda: index.indexed_workers() == worker_names, timeout_s=15, message="prefix index rebuilt")
+    decode = decode_workers(cluster)[0]
+    assert wait_until(lambda: index.worker_blocks(decode.name), message="the decode worker's blocks re-indexed")
+    router_log = open(cluster.services["router"].log_path).read()
+    assert router_log.count("Redis unreachable") == 1  # logged once per outage
+    assert "Redis is back" in router_log
+    response = client.completions.create(model=model, prompt="And with Redis back:", max_tokens=3)
+    assert response.choices[0].text is not None
+
+
+def test_a_decode_worker_killed_mid_stream_fails_the_stream_at_once_and_a_retry_succeeds(cluster, client, model, killed):
+    stream = client.completions.create(model=model, prompt="Count slowly from one to one hundred:", max_tokens=400,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    serving = wait_until(lambda: [w for w in decode_workers(cluster) if load(w).num_running == 1],
+                         message="the serving worker")  # fmt: skip
+    (victim,) = serving
+    (survivor,) = [w for w in decode_workers(cluster) if w is not victim]
+    cluster.stop_service(victim.name, signal.SIGKILL)
+    killed.append(victim.name)
+    killed_at = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - killed_at < 5.0
+    queries_before = load(survivor).prefix_cache_queries
+    retry = client.completions.create(model=model, prompt="Count slowly from one to one hundred:", max_tokens=5)
+    assert retry.choices[0].finish_reason == "length"
+    assert load(survivor).prefix_cache_queries > queries_before  # the retry ran on the other worker
+
+
+def keys_mentioning(client, worker_id: str) -> list[str]:
+    found = [k.decode() for k in client.scan_iter(f"moemesh:{MESH}:*") if worker_id in k.decode()]
+    for key in client.scan_iter(f"moemesh:{MESH}:kv:block:*"):
+        if client.sismember(key, worker_id):
+            found.append(key.decode())
+    for key in (f"moemesh:{MESH}:workers", f"moemesh:{MESH}:kv:workers"):
+        if client.zscore(key, worker_id) is not None:
+            found.append(f"{key} member")
+    return found
+
+
+def test_stopped_workers_leave_no_redis_state_behind(cluster, redis_client, killed):
+    if not killed:  # run alone: kill one now
+        killed.append(decode_workers(cluster)[0].name)
+        cluster.stop_service(killed[0], signal.SIGKILL)
+    victim = killed[0]
+    # killed: its entries expire after the TTL (3 s) and the router's reaper removes them
+    wait_until(lambda: not keys_mentioning(redis_client, victim), timeout_s=15, message=f"no keys for {victim}")
+    # stopped gracefully: gone as soon as it exits
+    assert keys_mentioning(redis_client, "prefill-0")
+    assert cluster.stop_service("prefill-0", signal.SIGTERM) == 0
+    assert keys_mentioning(redis_client, "prefill-0") == []

@@ -1,0 +1,67 @@
+"""`moemesh up` starts Redis, a router and workers as processes, prints the URL, serves, and a
+Ctrl-C (SIGINT to the process group, as a terminal sends it) stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+
+from moemesh.common.local_cluster import free_port
+
+
+def children_of(pid: int) -> set[int]:
+    found, frontier = set(), {pid}
+    while frontier:
+        parents, frontier = frontier, set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid in parents and int(entry) not in found:
+                found.add(int(entry))
+                frontier.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_moemesh_up_serves_and_ctrl_c_stops_everything(tmp_path):
+    port = free_port()
+    command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--decode", "1", "--port", str(port),
+               "--kv-memory-gib", "0.05", "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        line = up.stdout.readline()
+        assert re.match(rf"moemesh is up: OpenAI API at http://127\.0\.0\.1:{port}/v1 ", line), line
+        processes = children_of(up.pid)
+        assert len(processes) == 3  # redis-server, worker, router
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        assert client.completions.create(model=model, prompt="Hello", max_tokens=3).choices[0].text
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in processes if alive(p)] == []
+        assert "moemesh: stopping" in up.stdout.read()
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
