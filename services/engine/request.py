@@ -46,6 +46,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (set on first admit)
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of the full blocks so far
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next round
 
     @property
     def all_token_ids(self) -> list[int]:
