@@ -164,7 +164,7 @@ class LLMEngine:
         # decode rounds verify at most max_num_seqs * (k + 1) tokens; beyond 64 the table extrapolates
         max_tokens = min(self.config.scheduler.max_num_seqs * (spec.num_speculative_tokens + 1), 64)
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_tokens]
-        return CostTable(tuple(counts), tuple(self.runner.measure_step_seconds(counts, repeats=2)))
+        return CostTable(tuple(counts), tuple(self.runner.measure_step_seconds(counts)))
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         detok = self._detokenizers.get(request.request_id)
