@@ -67,11 +67,42 @@ class SchedulerConfig:
             )
 
 
+_SPEC_METHODS = ("none", "ngram")
+_SPEC_SCHEDULING = ("fixed", "confidence")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: who drafts, how many tokens at most, and how many to verify
+    (`fixed`: every draft up to k; `confidence`: DSpark's expected-throughput rule)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    scheduling: str = "confidence"
+    ngram_min_n: int = 2
+    ngram_max_n: int = 4
+
+    def __post_init__(self):
+        if self.method not in _SPEC_METHODS:
+            raise ConfigError(f"speculative method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        if self.scheduling not in _SPEC_SCHEDULING:
+            raise ConfigError(f"speculative scheduling must be one of {_SPEC_SCHEDULING}, got {self.scheduling!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ConfigError(f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from moemesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moemesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from moemesh.engine.llm_engine import LLMEngine
 from moemesh.engine.loader import default_model_path
 from moemesh.engine.outputs import RequestOutput
@@ -28,12 +28,14 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         seed: int = 0,
+        speculative: SpecConfig | None = None,
         show_progress: bool = True,
     ):
         config = EngineConfig(
             model=ModelConfig(model or default_model_path(), dtype, device, max_model_len, seed),
             cache=CacheConfig(block_size, num_blocks, kv_memory_gib, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            spec=speculative or SpecConfig(),
         )
         self.engine = LLMEngine(config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer

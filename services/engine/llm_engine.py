@@ -26,6 +26,8 @@ from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import FinishReason, RemotePrefillParams, Request
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler import Scheduler
+from moemesh.engine.spec.confidence import CostTable
+from moemesh.engine.spec.decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config.model, self.budget)
         self.kv_layout: KVLayout = kv_layout(self.model, self.model_id)
+        self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table())
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.cfg.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -158,9 +161,10 @@ class LLMEngine:
         scatter_kv(cache_tensors(self.model), self.kv_cache_manager.get_slot_ids(request_id, start, end), kv.data)
         request.num_remote_prefill_tokens = end - start
         request.num_cached_tokens = max(request.num_cached_tokens, kv.num_cached_tokens)
+        num_before = {request_id: request.num_output_tokens}
         self.scheduler.finish_remote_prefill(request_id, kv.first_token_id)
         logprobs = {request_id: kv.first_logprob} if kv.first_logprob is not None else {}
-        return self._process_outputs([request], logprobs)
+        return self._process_outputs([request], logprobs, num_before)
 
     def fallback_to_local_prefill(self, request_id: str) -> None:
         """Decode: the transfer failed; prefill the uncached suffix here instead."""
@@ -182,27 +186,48 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.config.spec.enabled:
+            self.spec.prepare(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
+        num_before = {rid: len(self.scheduler.requests[rid].output_token_ids)
+                      for rid in scheduler_output.num_scheduled_tokens}  # fmt: skip
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        return self._process_outputs(updated, runner_output.logprobs)
+        self.spec.record(scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids)
+        return self._process_outputs(updated, runner_output.logprobs, num_before)
 
-    def _process_outputs(self, updated: list[Request], logprobs: dict) -> list[RequestOutput]:
-        outputs, stopped = [], []
+    def _process_outputs(self, updated: list[Request], logprobs: dict, num_before: dict[str, int]) -> list[RequestOutput]:
+        outputs, stopped, new_tokens = [], [], {}
         for request in updated:
             logprob = logprobs.get(request.request_id)
             if logprob is not None:
                 request.output_logprobs.append(logprob)
+            start = num_before[request.request_id]
             detok = self._detokenizers.get(request.request_id)
             if detok is not None and not detok.stopped:
-                detok.append(request.output_token_ids[-1])
-                if detok.stopped and not request.is_finished:
-                    stopped.append(request)
+                for i in range(start, request.num_output_tokens):
+                    detok.append(request.output_token_ids[i])
+                    if detok.stopped:  # drop tokens a speculative round produced past the stop
+                        del request.output_token_ids[i + 1 :]
+                        if not request.is_finished:
+                            stopped.append(request)
+                        break
+            new_tokens[request.request_id] = request.output_token_ids[start:]
         for request in stopped:  # stop string found: finish now, freeing blocks
             self.scheduler.finish_requests([request.request_id], FinishReason.STOP)
         for request in updated:
-            outputs.append(self._output(request, request.output_token_ids[-1:]))
+            outputs.append(self._output(request, new_tokens[request.request_id]))
         return outputs
+
+    def _measure_cost_table(self) -> CostTable | None:
+        """Seconds per decode round by token count, for confidence-scheduled speculation."""
+        spec = self.config.spec
+        if not spec.enabled or spec.scheduling != "confidence":
+            return None
+        # decode rounds verify at most max_num_seqs * (k + 1) tokens; beyond 64 the table extrapolates
+        max_tokens = min(self.config.scheduler.max_num_seqs * (spec.num_speculative_tokens + 1), 64)
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_tokens]
+        return CostTable(tuple(counts), tuple(self.runner.measure_step_seconds(counts)))
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         detok = self._detokenizers.get(request.request_id)
@@ -239,4 +264,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.stats.num_hits,
             "prefix_cache_evictions": kv.num_evictions,
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_acceptance_rate": self.spec.stats.acceptance_rate,
+            "spec_mean_accepted_length": self.spec.stats.mean_accepted_length,
+            "spec_draft_tokens_per_round": self.spec.stats.drafts_per_round,
         }

@@ -8,6 +8,7 @@ tokens it samples.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from moemesh.engine.request import Logprob
 from moemesh.engine.sampler import Sampler, SamplingTensors
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler_output import SchedulerOutput
+from moemesh.engine.spec.rejection import verify_drafts
 
 
 @dataclass
@@ -35,7 +37,7 @@ class CachedRequestState:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # with speculation, several
     logprobs: dict[str, Logprob] = field(default_factory=dict)
 
 
@@ -89,8 +91,11 @@ class ModelRunner:
         np.cumsum(num_new, out=cu[1:])
         total = int(cu[-1])
 
+        spec = out.scheduled_spec_token_ids  # drafts follow the request's known tokens
+        num_spec = np.array([len(spec.get(r, ())) for r in order], dtype=np.int64)  # [num_reqs]
+        seqs = [s.token_ids + spec[r] if r in spec else s.token_ids for r, s in zip(order, states)]
         token_ids = np.fromiter(
-            (t for s, a, n in zip(states, starts, num_new) for t in s.token_ids[a : a + n]), np.int64, total
+            (t for seq, a, n in zip(seqs, starts, num_new) for t in seq[a : a + n]), np.int64, total
         )  # [num_tokens]
         req_index = np.repeat(np.arange(len(order)), num_new)  # [num_tokens]
         positions = np.arange(total) - np.repeat(cu[:-1], num_new) + np.repeat(starts, num_new)  # [num_tokens]
@@ -102,8 +107,9 @@ class ModelRunner:
         slot_mapping = block_tables[req_index, positions // self.block_size] * self.block_size
         slot_mapping += positions % self.block_size  # [num_tokens]
 
-        sample_rows = np.nonzero(context_lens == np.array([len(s.token_ids) for s in states]))[0]
-        logits_indices = cu[1:][sample_rows] - 1  # [num_sampled]
+        reaches_end = context_lens == np.array([len(seq) for seq in seqs])
+        plain_rows = np.nonzero(reaches_end & (num_spec == 0))[0]
+        spec_rows = np.nonzero(num_spec > 0)[0]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping),
             cu_seqlens_q=self._tensor(cu, torch.int32),
@@ -114,27 +120,72 @@ class ModelRunner:
         hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta)  # [num_tokens, hidden]
         for state, n in zip(states, num_new):
             state.num_computed_tokens += int(n)
-        if len(sample_rows) == 0:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[self._tensor(logits_indices)])  # [num_sampled, vocab]
-        sampled_states = [states[i] for i in sample_rows]
-        result = self.sampler(logits, self._sampling_tensors(sampled_states))
-        return self._collect(sampled_states, result)
-
-    def _collect(self, states: list[CachedRequestState], result) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
+        if len(plain_rows):
+            logits = self.model.compute_logits(hidden[self._tensor(cu[1:][plain_rows] - 1)])  # [num_plain, vocab]
+            plain_states = [states[i] for i in plain_rows]
+            self._collect(plain_states, self.sampler(logits, self._sampling_tensors(plain_states)), output)
+        if len(spec_rows):
+            self._verify([states[i] for i in spec_rows], [spec[order[i]] for i in spec_rows],
+                         hidden, cu[1:][spec_rows], output)  # fmt: skip
+        return output
+
+    def _verify(self, states, drafts: list[list[int]], hidden, ends: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Logits at each spec request's last token and its drafts, then lossless verification."""
+        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+        max_k = int(num_drafts.max())
+        # row r, position j (0..max_k) -> flattened token index, clamped inside the row's chunk
+        j = np.arange(max_k + 1)[None, :]
+        index = ends[:, None] - 1 - num_drafts[:, None] + np.minimum(j, num_drafts[:, None])
+        logits = self.model.compute_logits(hidden[self._tensor(index.reshape(-1))]).float()  # [R * (k+1), vocab]
+        t = self._sampling_tensors(states).repeat_rows(max_k + 1)
+        probs = self.sampler.probs(logits, t).view(len(states), max_k + 1, -1)  # [R, k + 1, vocab]
+        draft_ids = np.zeros((len(states), max_k), dtype=np.int64)
+        for r, d in enumerate(drafts):
+            draft_ids[r, : len(d)] = d
+        greedy = torch.tensor([s.sampling_params.greedy for s in states], device=self.device)
+        result = verify_drafts(probs, self._tensor(draft_ids), self._tensor(num_drafts), greedy,
+                               generator=self.sampler.generator)  # fmt: skip
+        for state, token_ids, k in zip(states, result.token_ids, num_drafts):
+            state.token_ids.extend(token_ids)
+            state.num_computed_tokens -= int(k) - (len(token_ids) - 1)  # rejected drafts' KV is stale
+            output.sampled_token_ids[state.request_id] = token_ids
+
+    @torch.inference_mode()
+    def measure_step_seconds(self, token_counts: list[int], repeats: int = 3) -> list[float]:
+        """Seconds per forward for decode-shaped rounds of each token count (the DSpark cost
+        table). Dummy tokens write only into the null block, which no request reads."""
+        seconds = []
+        for n in token_counts:
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(n, dtype=torch.int64, device=self.device),
+                cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+                context_lens=torch.ones(n, dtype=torch.int32, device=self.device),
+                block_tables=torch.zeros(n, 1, dtype=torch.int32, device=self.device),
+                num_decode_reqs=n,
+            )
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self.model.compute_logits(self.model(ids, ids, meta))  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.model.compute_logits(self.model(ids, ids, meta))
+                times.append(time.perf_counter() - start)
+            seconds.append(min(times))  # the least disturbed run
+        return seconds
+
+    def _collect(self, states: list[CachedRequestState], result, output: ModelRunnerOutput) -> None:
         token_ids = result.token_ids.tolist()
         lp = lp_ids = None
         if result.logprobs is not None:
             lp, lp_ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
         for i, (state, token_id) in enumerate(zip(states, token_ids)):
             state.token_ids.append(token_id)
-            output.sampled_token_ids[state.request_id] = token_id
+            output.sampled_token_ids[state.request_id] = [token_id]
             n = state.sampling_params.logprobs
             if n is not None:
                 top = dict(zip(lp_ids[i][1 : 1 + n], lp[i][1 : 1 + n]))
                 output.logprobs[state.request_id] = Logprob(token_id, lp[i][0], top)
-        return output
 
     def _sampling_tensors(self, states: list[CachedRequestState]) -> SamplingTensors:
         params = [s.sampling_params for s in states]

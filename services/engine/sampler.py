@@ -26,6 +26,13 @@ class SamplingTensors:
     need_min_p: bool
     max_num_logprobs: int  # -1: none requested
 
+    def repeat_rows(self, n: int) -> SamplingTensors:
+        """Each row n times in a row (one per verified position of a speculating request)."""
+        rep = lambda x: x.repeat_interleave(n)  # noqa: E731
+        return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p), {},
+                               self.all_greedy, self.need_top_k, self.need_top_p, self.need_min_p,
+                               self.max_num_logprobs)  # fmt: skip
+
 
 @dataclass
 class SamplerOutput:
@@ -57,15 +64,22 @@ class Sampler:
             torch.cat((token_ids[:, None], top_ids), dim=1),
         )
 
-    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k, top-p, min-p applied
+        (greedy rows: the plain softmax, whose argmax is the greedy token)."""
         temperature = torch.where(t.temperature == 0, torch.ones_like(t.temperature), t.temperature)
-        logits = logits / temperature[:, None]
+        logits = logits.float() / temperature[:, None]
         if t.need_top_k or t.need_top_p:
             logits = _apply_top_k_top_p(logits, t.top_k if t.need_top_k else None, t.top_p if t.need_top_p else None)
         probs = torch.softmax(logits, dim=-1)
         if t.need_min_p:
             threshold = probs.max(dim=-1, keepdim=True).values * t.min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        probs = self.probs(logits, t)
         q = torch.empty_like(probs)
         if len(t.generators) < probs.shape[0]:
             q.exponential_(generator=self.generator)

@@ -114,7 +114,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             if num_new == 0:  # nothing to compute (cannot happen for a running request)
                 i += 1
                 continue
@@ -127,6 +127,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             self._schedule(out, request, num_new, new_blocks)
+            num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+            del request.spec_token_ids[max(num_spec, 0) :]  # the budget may cut the drafts short
+            if request.spec_token_ids:
+                out.scheduled_spec_token_ids[request.request_id] = list(request.spec_token_ids)
             budget -= num_new
             i += 1
 
@@ -194,6 +198,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -203,25 +208,33 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- after the model ran -----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, and finish requests that hit EOS, a
-        stop token, max_tokens or the context length. Returns the requests that got a token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (with speculation: the accepted drafts
+        and one more), and finish requests that hit EOS, a stop token, max_tokens or the context
+        length. Returns the requests that got tokens."""
         updated = []
         for request_id, num_new in out.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if request.status != RequestStatus.RUNNING:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += num_new
-            token_id = sampled.get(request_id)
-            if token_id is None:  # a prefill chunk that did not reach the end
+            token_ids = sampled.get(request_id)
+            num_spec = len(out.scheduled_spec_token_ids.get(request_id, ()))
+            request.spec_token_ids = []
+            if token_ids is None:  # a prefill chunk that did not reach the end
+                request.num_computed_tokens += num_new
                 continue
-            request.output_token_ids.append(token_id)
+            # KV is valid for the last token and the accepted drafts; rejected slots get rewritten.
+            num_rejected = num_spec - (len(token_ids) - 1)
+            request.num_computed_tokens += num_new - num_rejected
             updated.append(request)
-            reason = self._check_stop(request, token_id)
-            if reason is not None:
-                self.running.remove(request)
-                request.finish(reason)
-                self._free(request)
+            for token_id in token_ids:
+                request.output_token_ids.append(token_id)
+                reason = self._check_stop(request, token_id)
+                if reason is not None:
+                    self.running.remove(request)
+                    request.finish(reason)
+                    self._free(request)
+                    break
         return updated
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -33,6 +33,8 @@ class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> q_i
+    # request id -> draft tokens scheduled after its last token (counted in q_i); verified by the runner
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0  # sum of q_i <= max_num_batched_tokens
     finished_req_ids: set[str] = field(default_factory=set)  # since the last round: drop state
     preempted_req_ids: set[str] = field(default_factory=set)

@@ -11,7 +11,7 @@ def run_round(scheduler, sampled_token=7):
         request = scheduler.requests[request_id]
         if request.num_computed_tokens + n == request.num_tokens:
             sampled[request_id] = sampled_token
-    scheduler.update_from_output(out, sampled)
+    scheduler.update_from_output(out, {r: [t] for r, t in sampled.items()})
     return out
 
 

@@ -7,9 +7,13 @@ tokens) and yields, in expectation, sum_i (1 + sum_{j<=k_i} a_ij) tokens. We max
 
     expected tokens per second = E[tokens] * steps_per_second(batch tokens)
 
-greedily: candidates (i, j) are admitted in decreasing a_ij (a prefix is always admitted before
-its extensions, since a_ij decreases in j), and admission stops at the first candidate that does
-not raise the objective. steps_per_second comes from a cost table the engine measures at start-up.
+greedily: candidates (i, j) are taken in decreasing a_ij (a prefix always comes before its
+extensions, since a_ij decreases in j). DSpark stops at the first candidate that does not raise
+the objective; we evaluate every prefix of that order and keep the best one, which is the same
+set when the objective is unimodal, and does not stall where the measured cost is not: on a CPU
+a 2-token round costs far more than a 1-token one (GEMM instead of GEMV) and then stays flat, so
+the first draft alone never pays but four do. steps_per_second comes from a cost table the
+engine measures at start-up.
 """
 
 from __future__ import annotations
@@ -59,12 +63,14 @@ def schedule_draft_lengths(
     candidates.sort(key=lambda t: (-t[0], t[1], t[2]))
     num_tokens = num_other_tokens + len(confidences)
     expected = float(len(confidences))
-    best = expected / cost.step_seconds(num_tokens)
+    best, best_len = expected / cost.step_seconds(num_tokens), 0
+    admitted: list[tuple[str, int]] = []
     for survival, j, request_id in candidates:
-        if lengths[request_id] != j - 1:
-            continue  # its prefix was not admitted
-        value = (expected + survival) / cost.step_seconds(num_tokens + 1)
-        if value <= best:
-            break
-        lengths[request_id], expected, num_tokens, best = j, expected + survival, num_tokens + 1, value
+        admitted.append((request_id, j))
+        expected, num_tokens = expected + survival, num_tokens + 1
+        value = expected / cost.step_seconds(num_tokens)
+        if value > best:
+            best, best_len = value, len(admitted)
+    for request_id, j in admitted[:best_len]:
+        lengths[request_id] = j
     return lengths

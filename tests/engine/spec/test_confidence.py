@@ -12,7 +12,7 @@ def test_admission_follows_survival_and_stops_when_the_objective_stops_improving
     # survivals: a: 0.9, 0.72, 0.36; b: 0.5, 0.05
     lengths = schedule_draft_lengths({"a": [0.9, 0.8, 0.5], "b": [0.5, 0.1]}, cost)
     # objective E / t: base 2/1.0 = 2.0; +a1 2.9/1.1 = 2.64; +a2 3.62/1.2 = 3.02; +b1 4.12/1.3 = 3.17;
-    # +a3 4.48/1.4 = 3.2; +b2 4.53/1.5 = 3.02 < 3.2: stop.
+    # +a3 4.48/1.4 = 3.2; +b2 4.53/1.5 = 3.02 < 3.2: the best prefix ends at a3.
     assert lengths == {"a": 3, "b": 1}
 
 
@@ -27,3 +27,10 @@ def test_cost_table_interpolates_and_extrapolates():
     assert cost.step_seconds(2) == 1.5
     assert cost.step_seconds(4) == 3.0
     assert cost.step_seconds(10) == 8.0
+
+
+def test_a_cost_jump_after_one_token_does_not_stall_admission():
+    # CPU-like: 1 token 40 ms, 2..8 tokens 75 ms. One draft alone loses (1.5 / 75 < 1 / 40), four win.
+    cost = CostTable((1, 2, 8), (0.040, 0.075, 0.075))
+    assert schedule_draft_lengths({"a": [0.5, 0.9, 0.9, 0.9]}, cost) == {"a": 4}
+    assert schedule_draft_lengths({"a": [0.5]}, cost) == {"a": 0}

@@ -1,0 +1,89 @@
+"""The engine's speculation component: before each round, draft tokens for decoding requests
+and decide how many of them the round verifies; after it, count what was accepted.
+
+Called by `LLMEngine.step()`: `prepare(running)` before `Scheduler.schedule()`, `record(...)`
+after `Scheduler.update_from_output()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moemesh.engine.config import SpecConfig
+from moemesh.engine.request import Request
+from moemesh.engine.spec.confidence import CostTable, schedule_draft_lengths
+from moemesh.engine.spec.ngram import NgramProposer
+from moemesh.engine.spec.proposer import NullProposer, Proposer
+
+
+@dataclass
+class SpecStats:
+    num_rounds: int = 0  # rounds that verified at least one draft
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+    num_verified_requests: int = 0  # (request, round) pairs with drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verified request-round: accepted drafts + the one always sampled."""
+        if not self.num_verified_requests:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_verified_requests
+
+    @property
+    def drafts_per_round(self) -> float:
+        return self.num_draft_tokens / self.num_rounds if self.num_rounds else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpecConfig, max_model_len: int, cost: CostTable | None):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.cost = cost
+        self.proposer: Proposer = NullProposer()
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.ngram_min_n, config.ngram_max_n)
+        self.stats = SpecStats()
+
+    def prepare(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` on running requests that are decoding (prefill done)."""
+        candidates = {}
+        for request in running:
+            room = min(
+                request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+                self.config.num_speculative_tokens,
+            )
+            decoding = request.num_computed_tokens == request.num_tokens - 1
+            if decoding and room > 0 and request.sampling_params.logprobs is None:
+                candidates[request.request_id] = (request, room)
+        if not candidates:
+            return
+        proposals = self.proposer.propose(
+            {rid: r.all_token_ids for rid, (r, _) in candidates.items()}, self.config.num_speculative_tokens
+        )
+        proposals = {rid: p.truncated(candidates[rid][1]) for rid, p in proposals.items()}
+        if self.config.scheduling == "confidence" and self.cost is not None:
+            confidences = {rid: p.confidences for rid, p in proposals.items()}
+            confidences.update({rid: [] for rid in candidates if rid not in proposals})
+            lengths = schedule_draft_lengths(confidences, self.cost, num_other_tokens=len(running) - len(candidates))
+        else:
+            lengths = {rid: len(p.token_ids) for rid, p in proposals.items()}
+        for rid, proposal in proposals.items():
+            candidates[rid][0].spec_token_ids = proposal.token_ids[: lengths.get(rid, 0)]
+
+    def record(self, scheduled_spec: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+        if not scheduled_spec:
+            return
+        self.stats.num_rounds += 1
+        for rid, drafts in scheduled_spec.items():
+            tokens = sampled.get(rid)
+            if tokens is None:
+                continue
+            self.stats.num_verified_requests += 1
+            self.stats.num_draft_tokens += len(drafts)
+            self.stats.num_accepted_tokens += len(tokens) - 1
