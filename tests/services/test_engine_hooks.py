@@ -77,7 +77,7 @@ def test_a_prefill_request_holds_its_blocks_until_released():
     request.kv_export_start = 4
     scheduler.add_request(request)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {"p": 5})
+    scheduler.update_from_output(out, {"p": [5]})
     assert request.is_finished and "p" in scheduler.kv_held
     assert scheduler.kv.num_used_blocks == 3
     scheduler.release_held("p")
@@ -87,11 +87,11 @@ def test_a_prefill_request_holds_its_blocks_until_released():
 def test_kv_events_report_stored_and_evicted_keys():
     scheduler = make_scheduler(num_blocks=4, block_size=4)  # 3 usable blocks
     scheduler.add_request(make_request("a", 9, max_tokens=1))
-    scheduler.update_from_output(scheduler.schedule(), {"a": 1})
+    scheduler.update_from_output(scheduler.schedule(), {"a": [1]})
     events = scheduler.kv.drain_events()
     assert list(events.changes.values()) == [True, True] and not events.cleared
     scheduler.add_request(make_request("b", 9, start=100, max_tokens=1))
-    scheduler.update_from_output(scheduler.schedule(), {"b": 1})
+    scheduler.update_from_output(scheduler.schedule(), {"b": [1]})
     events = scheduler.kv.drain_events()
     assert sorted(events.changes.values()) == [False, False, True, True]  # a's two blocks evicted
     assert set(scheduler.kv.cached_block_hashes()) == {h for h, stored in events.changes.items() if stored}
