@@ -88,7 +88,7 @@ class RoutingSettings:
     (see moemesh.router.policy)."""
 
     policy: str = "kv_aware"
-    prefill_weight: float = 1.0
+    prefill_weight: float = 2.0
     queue_weight: float = 4.0
     disaggregated: bool = True  # False: aggregated (decode workers prefill locally)
 
@@ -161,6 +161,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
         metrics_port=None if args.metrics_port == 0 else _pick(args.metrics_port, ports.get("metrics"), 9090),
         min_remote_prefill_tokens=_pick(args.min_remote_prefill_tokens, None, 64),
         kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_chunk_bytes=args.kv_chunk_bytes,
         max_queued_requests=args.max_queued_requests,
         mesh=mesh_settings(args, config, env),
         engine=EngineSettings(
@@ -232,6 +233,7 @@ def add_serve_arguments(parser) -> None:
     worker.add_argument("--min-remote-prefill-tokens", type=int, default=None,
                         help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)")
     worker.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)
     router = parser.add_argument_group("router")
     router.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000)")

@@ -51,7 +51,8 @@ class GrpcKVTransport(KVTransport):
             if message.HasField("header"):
                 header = message.header
                 expected = header.num_tokens * task.layout.bytes_per_token
-                if header.num_tokens != len(task.prompt_token_ids) - task.num_computed_tokens or header.num_bytes != expected:
+                num_tokens = len(task.prompt_token_ids) - task.num_computed_tokens
+                if header.num_tokens != num_tokens or header.num_bytes != expected:
                     raise KVTransferError(f"prefill worker sent {header.num_tokens} tokens / {header.num_bytes} bytes")
                 buffer = torch.empty(header.num_bytes, dtype=torch.uint8)  # [num_bytes]
                 view = buffer.numpy()

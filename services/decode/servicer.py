@@ -72,13 +72,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params, remote_prefill=remote)
         num_remote_tokens = 0
         last = None
-        phase = self._tracer.start_span("queue", context=ctx)
+        # spans: local = "queue+prefill" -> "decode"; remote = "queue" -> "kv_transfer" -> "decode"
+        phase = self._tracer.start_span("queue+prefill", context=ctx)
         try:
             async for event in events:
                 if isinstance(event, RemotePrefillNeeded):
+                    phase.update_name("queue")
                     phase.end()
                     num_remote_tokens = await self._remote_prefill(request, event, ctx)
-                    phase = self._tracer.start_span("decode", context=ctx)
+                    phase = self._tracer.start_span("decode" if num_remote_tokens else "prefill.fallback", context=ctx)
                     continue
                 now = time.monotonic()
                 if last is None:
@@ -139,8 +141,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             num_remote_prefill_tokens=num_remote,
             worker_id=self.worker_id,
         )
-        if output.logprobs is not None and output.new_token_ids:
-            response.logprobs.append(logprob_to_proto(output.logprobs[-1]))
+        if output.logprobs is not None and output.new_token_ids:  # several new tokens with speculation
+            new = output.logprobs[len(output.token_ids) - len(output.new_token_ids) :]
+            response.logprobs.extend(logprob_to_proto(lp) for lp in new)
         if output.finished:
             response.finish_reason = FINISH_REASONS[output.finish_reason]
         return response

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_transfer import ExportedKV, RemoteKV
 from moemesh.engine.llm_engine import LLMEngine
 from moemesh.engine.outputs import RequestOutput
@@ -107,8 +108,6 @@ class AsyncEngine:
     ) -> AsyncIterator[EngineEvent]:
         events: asyncio.Queue = asyncio.Queue()
         if request_id in self._queues:
-            from moemesh.engine.errors import InvalidRequestError
-
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self._queues[request_id] = events
         done = False

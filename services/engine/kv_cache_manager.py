@@ -96,11 +96,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def get_slot_ids(self, request_id: str, start: int, end: int) -> list[int]:
-        """Cache slots (block_id * P + offset) of token positions [start, end) of a request."""
-        blocks, size = self.req_to_blocks[request_id], self.block_size
-        return [blocks[t // size].block_id * size + t % size for t in range(start, end)]
-
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every key in the prefix cache now (a full snapshot for an index resync)."""
         return list(self.pool.cached_blocks)

@@ -60,30 +60,63 @@ def kv_layout(model, model_id: str) -> KVLayout:
     return KVLayout(model_id, dtype, tuple(tuple(t.shape[2:]) for t in tensors))
 
 
-def gather_kv(tensors: list[torch.Tensor], slot_ids: list[int]) -> torch.Tensor:
-    """Copy the KV at `slot_ids` out of the cache into one flat byte buffer (the wire format)."""
-    slots = torch.tensor(slot_ids, dtype=torch.int64)  # [num_tokens]
-    sizes = [len(slot_ids) * math.prod(t.shape[2:]) * t.element_size() for t in tensors]
+def _pieces(block_ids: list[int], block_size: int, start: int, end: int):
+    """Split tokens [start, end) into per-token head/tail slots and whole blocks in between:
+    yields (offset in the transfer, slot ids) for single tokens and (offset, block ids) for runs
+    of full blocks, so most of the copy moves whole blocks (block_size tokens per row)."""
+    first_full = min(-(-start // block_size) * block_size, end)
+    last_full = max(end // block_size * block_size, first_full)
+
+    def slots(a: int, b: int) -> list[int]:
+        return [block_ids[t // block_size] * block_size + t % block_size for t in range(a, b)]
+
+    if first_full > start:
+        yield "tokens", 0, slots(start, first_full)
+    if last_full > first_full:
+        yield "blocks", first_full - start, block_ids[first_full // block_size : last_full // block_size]
+    if end > last_full:
+        yield "tokens", last_full - start, slots(last_full, end)
+
+
+def gather_kv(tensors: list[torch.Tensor], block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Copy the KV of tokens [start, end) (in blocks `block_ids`) into one flat byte buffer (the wire format)."""
+    num_tokens = end - start
+    sizes = [num_tokens * math.prod(t.shape[2:]) * t.element_size() for t in tensors]
     buffer = torch.empty(sum(sizes), dtype=torch.uint8)  # [num_bytes]
+    pieces = [(kind, offset, torch.tensor(ids, dtype=torch.int64)) for kind, offset, ids in
+              _pieces(block_ids, block_size, start, end)]  # fmt: skip
     offset = 0
     for tensor, size in zip(tensors, sizes):
-        flat = tensor.view(-1, *tensor.shape[2:])  # [num_slots, *token_shape]
-        out = buffer[offset : offset + size].view(tensor.dtype).view(len(slot_ids), *tensor.shape[2:])
-        torch.index_select(flat, 0, slots, out=out)
+        shape = tensor.shape[2:]
+        out = buffer[offset : offset + size].view(tensor.dtype).view(num_tokens, *shape)  # [num_tokens, *token_shape]
+        for kind, at, ids in pieces:
+            if kind == "blocks":
+                dst = out[at : at + len(ids) * block_size].view(len(ids), block_size, *shape)
+                torch.index_select(tensor, 0, ids, out=dst)
+            else:
+                torch.index_select(tensor.view(-1, *shape), 0, ids, out=out[at : at + len(ids)])
         offset += size
     return buffer
 
 
-def scatter_kv(tensors: list[torch.Tensor], slot_ids: list[int], buffer: torch.Tensor) -> None:
-    """Write a flat byte buffer (the wire format) into the cache at `slot_ids`."""
-    slots = torch.tensor(slot_ids, dtype=torch.int64)  # [num_tokens]
+def scatter_kv(tensors: list[torch.Tensor], block_ids: list[int], block_size: int, start: int, end: int,
+               buffer: torch.Tensor) -> None:  # fmt: skip
+    """Write a flat byte buffer (the wire format) into the cache at tokens [start, end) of `block_ids`."""
+    num_tokens = end - start
+    pieces = [(kind, offset, torch.tensor(ids, dtype=torch.int64)) for kind, offset, ids in
+              _pieces(block_ids, block_size, start, end)]  # fmt: skip
     offset = 0
     for tensor in tensors:
-        size = len(slot_ids) * math.prod(tensor.shape[2:]) * tensor.element_size()
-        src = buffer[offset : offset + size].view(tensor.dtype).view(len(slot_ids), *tensor.shape[2:])
-        tensor.view(-1, *tensor.shape[2:]).index_copy_(0, slots, src)
+        shape = tensor.shape[2:]
+        size = num_tokens * math.prod(shape) * tensor.element_size()
+        src = buffer[offset : offset + size].view(tensor.dtype).view(num_tokens, *shape)  # [num_tokens, *token_shape]
+        for kind, at, ids in pieces:
+            if kind == "blocks":
+                tensor.index_copy_(0, ids, src[at : at + len(ids) * block_size].view(len(ids), block_size, *shape))
+            else:
+                tensor.view(-1, *shape).index_copy_(0, ids, src[at : at + len(ids)])
         offset += size
-    assert offset == buffer.numel(), f"buffer has {buffer.numel()} bytes, the slots take {offset}"
+    assert offset == buffer.numel(), f"buffer has {buffer.numel()} bytes, the tokens take {offset}"
 
 
 @dataclass

@@ -158,7 +158,9 @@ class LLMEngine:
         start, end = request.num_computed_tokens, request.num_prompt_tokens
         if kv.num_tokens != end - start or kv.data.numel() != kv.num_tokens * self.kv_layout.bytes_per_token:
             raise ValueError(f"expected KV of {end - start} tokens, got {kv.num_tokens} ({kv.data.numel()} bytes)")
-        scatter_kv(cache_tensors(self.model), self.kv_cache_manager.get_slot_ids(request_id, start, end), kv.data)
+        kv_manager = self.kv_cache_manager
+        scatter_kv(cache_tensors(self.model), kv_manager.get_block_ids(request_id), kv_manager.block_size, start, end,
+                   kv.data)  # fmt: skip
         request.num_remote_prefill_tokens = end - start
         request.num_cached_tokens = max(request.num_cached_tokens, kv.num_cached_tokens)
         num_before = {request_id: request.num_output_tokens}
@@ -177,7 +179,8 @@ class LLMEngine:
         if request is None:
             return None
         start, end = request.kv_export_start, request.num_prompt_tokens
-        data = gather_kv(cache_tensors(self.model), self.kv_cache_manager.get_slot_ids(request_id, start, end))
+        kv_manager = self.kv_cache_manager
+        data = gather_kv(cache_tensors(self.model), kv_manager.get_block_ids(request_id), kv_manager.block_size, start, end)
         self.scheduler.release_held(request_id)
         logprob = request.output_logprobs[0] if request.output_logprobs else None
         return ExportedKV(

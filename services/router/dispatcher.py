@@ -120,7 +120,7 @@ class Dispatcher:
                 span.set_attribute("moemesh.decode_worker", route.decode.worker_id)
                 span.set_attribute("moemesh.cached_blocks", route.cached_blocks)
                 streamed = False
-                async with contextlib.aclosing(self._call(request, route, chain, ctx)) as deltas:
+                async with contextlib.aclosing(self._call(request, route, chain, cached, ctx)) as deltas:
                     async for delta in deltas:
                         if delta is None:  # failed before any token: retry elsewhere
                             break
@@ -138,7 +138,7 @@ class Dispatcher:
         finally:
             span.end()
 
-    async def _call(self, request: GenerateInput, route, chain, ctx) -> AsyncIterator[Delta | None]:
+    async def _call(self, request: GenerateInput, route, chain, cached, ctx) -> AsyncIterator[Delta | None]:
         """Deltas of one attempt; a single None if the worker failed before the first token."""
         worker = route.decode
         call_request = decode_pb2.WorkerGenerateRequest(
@@ -149,13 +149,12 @@ class Dispatcher:
         )
         stub = decode_pb2_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
         call = stub.Generate(call_request, metadata=telemetry.inject_metadata(ctx))
-        blocks = self.pool.begin(route, chain, len(request.prompt_token_ids))
+        charge = self.pool.begin(route, chain, len(request.prompt_token_ids), cached)
         self.metrics.route(worker.worker_id, "decode")
         if route.prefill is not None:
             self.metrics.route(route.prefill.worker_id, "prefill")
         detok = IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids)
         num_output = 0
-        prefill_ended = False
         started = last = time.monotonic()
         try:
             stream = call.__aiter__()
@@ -170,8 +169,7 @@ class Dispatcher:
                 now = time.monotonic()
                 if num_output == 0:
                     self.metrics.ttft.observe(now - started)
-                    self.pool.end_prefill(route, blocks)
-                    prefill_ended = True
+                    self.pool.end_prefill(route, charge)
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
@@ -190,7 +188,7 @@ class Dispatcher:
             raise _rpc_error(e, worker.worker_id, streamed=num_output > 0) from None
         finally:
             call.cancel()  # a no-op when the call completed; else aborts it on the workers
-            self.pool.end(route, blocks, prefill_ended)
+            self.pool.end(route, charge)
 
     def _delta(self, detok, message, num_output: int, num_prompt: int) -> Delta:
         token_ids, logprobs = [], []

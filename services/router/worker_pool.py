@@ -43,6 +43,7 @@ class WorkerState:
     num_blocks_used: int = 0  # from the last heartbeat
     in_flight: int = 0  # this router's requests on it
     active_blocks: int = 0  # KV blocks of this router's requests on it
+    pending_prefill_blocks: int = 0  # uncached blocks of this router's requests it still has to prefill
     down_until: float = 0.0  # after a failure: not chosen before this time
     static: bool = False
     last_seen: float = 0.0  # when the registry last listed it
@@ -53,6 +54,15 @@ class Route:
     decode: WorkerState
     prefill: WorkerState | None
     cached_blocks: int  # the decode worker's cached prefix (blocks), as the router saw it
+
+
+@dataclass
+class Charge:
+    """What one request counts on its workers while in flight (see `begin`)."""
+
+    blocks: int  # prompt blocks, on the decode worker until the request ends
+    prefill_blocks: int  # uncached blocks, on the prefilling worker until the first token
+    prefill_done: bool = False
 
 
 class NoWorkerError(Exception):
@@ -220,35 +230,45 @@ class WorkerPool:
 
     def _pick(self, policy, workers: list[WorkerState], cached: dict[str, int], num_blocks: int) -> WorkerState:
         candidates = [
-            Candidate(w.worker_id, cached.get(w.worker_id, 0), w.active_blocks, w.num_queued, w.in_flight)
+            Candidate(w.worker_id, cached.get(w.worker_id, 0), w.active_blocks, w.num_queued, w.in_flight,
+                      w.pending_prefill_blocks)  # fmt: skip
             for w in workers
         ]
         picked = policy.choose(candidates, num_blocks)
         return next(w for w in workers if w.worker_id == picked.worker_id)
 
     # -- accounting ------------------------------------------------------------------------
-    def begin(self, route: Route, chain: Sequence[BlockHash], num_prompt_tokens: int) -> int:
-        """Count a request on its workers; returns the blocks charged (pass them to `end`)."""
+    def begin(self, route: Route, chain: Sequence[BlockHash], num_prompt_tokens: int, cached: dict[str, int]) -> Charge:
+        """Count a request on its workers until `end_prefill` / `end`: its prompt blocks on the
+        decode worker, its uncached blocks on the worker that prefills it (the prefill worker
+        when there is one, else the decode worker)."""
         blocks = math.ceil(num_prompt_tokens / self.block_size)
+        prefilling = route.prefill or route.decode
+        charge = Charge(blocks, max(blocks - cached.get(prefilling.worker_id, 0), 0))
+        route.decode.in_flight += 1
+        route.decode.active_blocks += blocks
+        if route.prefill is not None:
+            route.prefill.in_flight += 1
+        prefilling.pending_prefill_blocks += charge.prefill_blocks
         now = self.clock()
         for worker in (route.decode, route.prefill):
             if worker is not None:
-                worker.in_flight += 1
-                worker.active_blocks += blocks
                 self.recent.add(chain, worker.worker_id, now)
-        return blocks
+        return charge
 
-    def end_prefill(self, route: Route, blocks: int) -> None:
-        """The prefill worker's part is over (first token received)."""
+    def end_prefill(self, route: Route, charge: Charge) -> None:
+        """The request's prefill is over (first token received, or it ended)."""
+        if charge.prefill_done:
+            return
+        charge.prefill_done = True
+        (route.prefill or route.decode).pending_prefill_blocks -= charge.prefill_blocks
         if route.prefill is not None:
             route.prefill.in_flight -= 1
-            route.prefill.active_blocks -= blocks
 
-    def end(self, route: Route, blocks: int, prefill_ended: bool) -> None:
+    def end(self, route: Route, charge: Charge) -> None:
+        self.end_prefill(route, charge)
         route.decode.in_flight -= 1
-        route.decode.active_blocks -= blocks
-        if not prefill_ended:
-            self.end_prefill(route, blocks)
+        route.decode.active_blocks -= charge.blocks
 
     def mark_down(self, worker: WorkerState) -> None:
         worker.down_until = self.clock() + self.down_s

@@ -46,7 +46,10 @@ def load_any(service: Service) -> telemetry_pb2.LoadReport:
     from moemesh.proto.v1 import prefill_pb2_grpc
 
     with grpc.insecure_channel(service.grpc_endpoint) as channel:
-        stub = decode_pb2_grpc.DecodeWorkerStub(channel) if service.role != "prefill" else prefill_pb2_grpc.PrefillWorkerStub(channel)
+        if service.role == "prefill":
+            stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
+        else:
+            stub = decode_pb2_grpc.DecodeWorkerStub(channel)
         return stub.GetLoad(telemetry_pb2.LoadRequest(), timeout=5)
 
 

@@ -151,6 +151,15 @@ def test_disaggregated_equals_aggregated_equals_offline_on_8_prompts(cluster, of
         assert disaggregated == aggregated == expected.token_ids
 
 
+def test_a_failed_kv_transfer_falls_back_to_a_local_prefill_with_the_same_output(cluster, offline_llm, tokenizer):
+    decode = decode_workers(cluster)[0]
+    prompt = tokenizer.encode("Nobody listens on the prefill endpoint of this request, so it prefills locally.")
+    expected = offline(offline_llm, prompt, 12)
+    token_ids, remote = call_decode(decode, prompt, "127.0.0.1:1", "fallback-1")
+    assert (token_ids, remote) == (expected.token_ids, 0)
+    wait_until(lambda: load(decode).num_blocks_used == 0, message="the blocks freed")
+
+
 def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: str) -> tuple[list[int], int]:
     request = decode_pb2.WorkerGenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, prefill_endpoint=prefill_endpoint,
@@ -264,7 +273,7 @@ def test_traces_follow_a_request_from_router_to_decode_to_prefill(cluster):
             assert router["trace_id"] == decode["trace_id"] == span["trace_id"]
     assert ("moemesh-router", "router.generate", "moemesh-decode", "decode.generate", "kv_transfer",
             "moemesh-prefill") in chains  # fmt: skip
-    assert {"queue", "decode"} <= {s["name"] for s in spans if s["service"] == "moemesh-decode"}
+    assert {"queue", "queue+prefill", "decode"} <= {s["name"] for s in spans if s["service"] == "moemesh-decode"}
 
 
 def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(cluster, model):
@@ -283,9 +292,10 @@ def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(
                     await stream.close()
                     return "cancelled"
                 if kind == 1:  # plain request, client gives up before the end
+                    impatient = client.with_options(timeout=0.3)
                     try:
-                        await client.with_options(timeout=0.3).completions.create(model=model, prompt=prompt,
-                                                                                  max_tokens=200, extra_body={"ignore_eos": True})  # fmt: skip
+                        await impatient.completions.create(model=model, prompt=prompt, max_tokens=200,
+                                                           extra_body={"ignore_eos": True})  # fmt: skip
                     except openai.APITimeoutError:
                         return "timed out"
                     return "finished"

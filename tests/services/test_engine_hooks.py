@@ -97,6 +97,30 @@ def test_kv_events_report_stored_and_evicted_keys():
     assert set(scheduler.kv.cached_block_hashes()) == {h for h, stored in events.changes.items() if stored}
 
 
+@pytest.mark.parametrize(("start", "end"), [(0, 32), (16, 37), (5, 11), (3, 40), (0, 7)])
+def test_gather_then_scatter_moves_exactly_the_kv_of_the_token_range(start, end):
+    import torch
+
+    from moemesh.engine.kv_transfer import gather_kv, scatter_kv
+
+    source = [torch.randn(8, 16, 2, 4), torch.randn(8, 16, 1, 3)]  # [num_blocks, block_size, *token_shape]
+    block_ids = [5, 2, 7]
+    buffer = gather_kv(source, block_ids, 16, start, end)
+    slots = [block_ids[t // 16] * 16 + t % 16 for t in range(start, end)]
+    expected = torch.cat([t.view(-1, *t.shape[2:])[slots].reshape(-1) for t in source])  # per-token reference
+    assert torch.equal(buffer.view(torch.float32), expected)
+    target = [torch.zeros_like(t) for t in source]
+    dest_blocks = [1, 3, 6]
+    scatter_kv(target, dest_blocks, 16, start, end, buffer)
+    dest_slots = [dest_blocks[t // 16] * 16 + t % 16 for t in range(start, end)]
+    for src, dst in zip(source, target):
+        flat_src, flat_dst = src.view(-1, *src.shape[2:]), dst.view(-1, *dst.shape[2:])
+        assert torch.equal(flat_dst[dest_slots], flat_src[slots])
+        untouched = torch.ones(flat_dst.shape[0], dtype=torch.bool)
+        untouched[dest_slots] = False
+        assert not flat_dst[untouched].any()
+
+
 @pytest.mark.parametrize("num_hit_blocks", [0, 2])
 def test_kv_exported_by_one_engine_and_injected_into_another_continues_greedy_decoding(offline_llm, num_hit_blocks):
     """One engine plays both sides (prefill export, then decode injection) against its own local run."""
@@ -111,7 +135,8 @@ def test_kv_exported_by_one_engine_and_injected_into_another_continues_greedy_de
     engine.step()
     (parked,) = engine.take_remote_prefills()
     assert parked.num_computed_tokens == num_hit_blocks * 16
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), "p", kv_export_start=parked.num_computed_tokens)
+    first_token_only = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add_request(prompt, first_token_only, "p", kv_export_start=parked.num_computed_tokens)
     exported = None
     while exported is None:
         for output in engine.step():

@@ -152,3 +152,28 @@ def test_stopped_workers_leave_no_redis_state_behind(cluster, redis_client, kill
     assert keys_mentioning(redis_client, "prefill-0")
     assert cluster.stop_service("prefill-0", signal.SIGTERM) == 0
     assert keys_mentioning(redis_client, "prefill-0") == []
+
+
+def test_a_new_worker_is_not_serving_until_its_model_is_loaded_then_joins_the_registry(cluster, redis_client):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    service = cluster.worker_service("decode-late", "decode")
+    cluster._launch(service)
+    seen = []
+    with grpc.insecure_channel(service.grpc_endpoint) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        def serving() -> bool:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError:
+                return False
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            return status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_until(serving, timeout_s=120, interval_s=0.05, message="decode-late serving")
+    assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+    assert "decode-late" in [w.worker_id for w in registry.list_workers(redis_client, MESH)]
+    assert cluster.stop_service("decode-late", signal.SIGTERM) == 0
+    assert keys_mentioning(redis_client, "decode-late") == []

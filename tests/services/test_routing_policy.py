@@ -12,8 +12,9 @@ from moemesh.router.policy import Candidate, KVAware, LeastLoaded, RoundRobin
 from moemesh.router.worker_pool import RecentRoutes, WorkerPool
 
 
-def candidate(worker_id: str, cached: int = 0, active: int = 0, queued: int = 0, in_flight: int = 0) -> Candidate:
-    return Candidate(worker_id, cached, active, queued, in_flight)
+def candidate(worker_id: str, cached: int = 0, active: int = 0, queued: int = 0, in_flight: int = 0,
+              pending: int = 0) -> Candidate:  # fmt: skip
+    return Candidate(worker_id, cached, active, queued, in_flight, pending)
 
 
 def test_kv_aware_prefers_the_longest_cached_prefix_at_equal_load():
@@ -29,10 +30,16 @@ def test_kv_aware_trades_cache_overlap_against_decode_load():
     assert KVAware(prefill_weight=2.0).choose(workers, 64).worker_id == "a"
 
 
+def test_kv_aware_counts_the_prefills_a_worker_still_has_to_do():
+    # cost(a) = (64 - 60) + 100 pending = 104 (+ 0 decode); cost(b) = 64 + 0 + 20 decode = 84
+    workers = [candidate("a", cached=60, pending=100), candidate("b", active=20)]
+    assert KVAware().choose(workers, 64).worker_id == "b"
+
+
 def test_kv_aware_counts_queued_requests_with_their_weight():
     workers = [candidate("a", cached=8, queued=3), candidate("b", cached=0)]
-    assert KVAware(queue_weight=4.0).choose(workers, 16).worker_id == "b"  # 8 + 12 > 16
-    assert KVAware(queue_weight=0.0).choose(workers, 16).worker_id == "a"
+    assert KVAware(prefill_weight=1.0, queue_weight=4.0).choose(workers, 16).worker_id == "b"  # 8 + 12 > 16
+    assert KVAware(prefill_weight=1.0, queue_weight=0.0).choose(workers, 16).worker_id == "a"
 
 
 def test_round_robin_cycles_and_ignores_the_cache():
@@ -75,3 +82,9 @@ def test_pool_routes_to_the_cached_worker_and_picks_a_prefill_worker():
     chain = hash_block_chain(list(range(320)), 16, HashExtra("m"))
     route = pool.choose(chain, 320, cached={"d2": 20, "d1": 3, "p1": 20})
     assert route.decode.worker_id == "d2" and route.prefill.worker_id == "p1" and route.cached_blocks == 20
+    charge = pool.begin(route, chain, 320, cached={"d2": 20, "p1": 15})
+    assert (route.decode.active_blocks, route.prefill.pending_prefill_blocks, route.prefill.in_flight) == (20, 5, 1)
+    pool.end_prefill(route, charge)
+    assert (route.prefill.pending_prefill_blocks, route.prefill.in_flight, route.decode.in_flight) == (0, 0, 1)
+    pool.end(route, charge)
+    assert (route.decode.active_blocks, route.decode.in_flight, route.prefill.in_flight) == (0, 0, 0)
