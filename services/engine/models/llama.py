@@ -15,6 +15,7 @@ from torch import nn
 from moemesh.engine.layers.activation import SiluAndMul
 from moemesh.engine.layers.attention import Attention
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
+from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.layernorm import RMSNorm
 from moemesh.engine.layers.rotary import RotaryEmbedding
 from moemesh.engine.models.config import TransformerConfig
@@ -52,30 +53,14 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, residual, meta):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
 class LlamaModel(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, LlamaAttention(cfg), LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
+            for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):

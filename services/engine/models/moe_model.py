@@ -23,6 +23,7 @@ from torch import nn
 
 from moemesh.engine.expert_load import ExpertLoadCounter
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
+from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertPlacement, LocalExpertExecutor
 from moemesh.engine.layers.layernorm import RMSNorm
 from moemesh.engine.layers.moe import MoERuntime, SparseMoE
@@ -34,26 +35,8 @@ _EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1
                  "down_proj": ("w2", None), "w2": ("w2", None)}  # fmt: skip
 
 
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, self_attn: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, residual, meta):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
 class MoEModel(nn.Module):
-    def __init__(self, cfg: TransformerConfig, layers: list[MoEDecoderLayer]):
+    def __init__(self, cfg: TransformerConfig, layers: list[DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
@@ -85,7 +68,7 @@ class MoEForCausalLM(nn.Module):
         layers = []
         for i in range(cfg.num_layers):
             moe_layer = moe_layer_ids.index(i) if i in moe_layer_ids else None
-            layers.append(MoEDecoderLayer(cfg, self.make_attention(i), self.make_mlp(i, moe_layer)))
+            layers.append(DecoderLayer(cfg, self.make_attention(i), self.make_mlp(i, moe_layer)))
         self.model = MoEModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         experts = [moe.experts for moe in self.moe_layers()]
