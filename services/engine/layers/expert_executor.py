@@ -131,6 +131,12 @@ class ExpertExecutor(ABC):
     @abstractmethod
     def set_placement(self, placement: ExpertPlacement) -> None: ...
 
+    def take_error(self) -> Exception | None:
+        """An error a forward recorded instead of raising since the last call, cleared (a remote
+        executor whose experts were unreachable: that forward's output is garbage). Caller: the
+        worker's engine thread after every step. The local executor never fails."""
+        return None
+
 
 class LocalExpertExecutor(ExpertExecutor):
     """Experts in this process. Tokens are grouped by replica inside `kernels.fused_moe` (a

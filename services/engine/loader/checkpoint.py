@@ -12,6 +12,7 @@ from moemesh.engine.tokenizer import Tokenizer
 class Checkpoint:
     hf_config: dict  # Hugging Face config.json fields
     tokenizer: Tokenizer
-    iter_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF names, float32/bf16 tensors
+    # HF names, float32/bf16 tensors; iter_weights(select) reads only names with select(name) true
+    iter_weights: Callable[..., Iterator[tuple[str, torch.Tensor]]]
     num_tensors: int
     model_id: str  # identifies the weights in prefix-cache keys

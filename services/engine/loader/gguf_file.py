@@ -51,10 +51,10 @@ def open_gguf(path: str) -> Checkpoint:
     hf_config = _hf_config(meta, tensor_names)
     num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
 
-    def iter_weights():
+    def iter_weights(select=None):
         for tensor in reader.tensors:
             name = _hf_name(tensor.name)
-            if name is None:
+            if name is None or (select is not None and not select(name)):
                 continue
             array = _dequantize(tensor)
             if tensor.name.endswith("attn_q.weight"):

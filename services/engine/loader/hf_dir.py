@@ -24,14 +24,15 @@ def open_hf_dir(path: str) -> Checkpoint:
     if not files:
         raise ModelLoadError(f"{path!r} has no *.safetensors weights")
 
-    def iter_weights():
+    def iter_weights(select=None):
         from safetensors import safe_open
 
         for file in files:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        if select is None or select(name):  # unselected tensors are never read
+                            yield name, f.get_tensor(name)
             except Exception as e:
                 raise ModelLoadError(f"cannot read {file}: {e}") from e
 

@@ -1,0 +1,202 @@
+"""Remote experts over loopback gRPC: per-step latency and tokens/s of the engine with its routed
+experts in-process vs on 1, 2 and 4 expert worker processes, and the bytes moved per token.
+
+    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--requests 8] [--new-tokens 32]
+
+Builds a random Qwen3-MoE checkpoint with transformers (hidden 512, 32 experts of 256, top-4,
+4 MoE layers: small enough for a CPU), then runs the same greedy batch through the offline
+engine with `LocalExpertExecutor` and with `RemoteExpertExecutor` against expert workers started
+as `moemesh serve --role expert` (Redis + an even placement, as `moemesh up --experts N` does).
+Columns: "step" = median engine step while every request decodes; "MoE" = the part of a step
+spent in the expert executor (all MoE layers); "RPC floor" = median round trip of an empty
+RunExperts call (the fixed cost each layer pays per worker, in parallel across workers);
+"waiting" = the part of MoE spent blocked on replies (expert compute + transport + the worker's
+gRPC/asyncio overhead), "dispatcher CPU" = the rest (grouping, serialization, combine);
+bytes/token = request + reply tensor payload per token over all MoE layers. Outputs are checked
+to be identical to the local run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import print_table  # noqa: E402
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from moemesh import LLM, SamplingParams  # noqa: E402
+from moemesh.common.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
+from moemesh.common.placement import PlacementStore  # noqa: E402
+from moemesh.common.redis_client import connect  # noqa: E402
+from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
+from moemesh.expert.transport import GrpcExpertTransport  # noqa: E402
+from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
+
+
+def build_checkpoint(path: str, args) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8, max_position_embeddings=512,
+        moe_intermediate_size=args.intermediate, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        norm_topk_prob=True, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+
+
+class WaitTimed:
+    """Wraps a transport: adds up the seconds the model's thread is blocked on replies."""
+
+    def __init__(self, transport):
+        self.transport, self.seconds = transport, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+    def submit(self, worker_id, request, timeout_s):
+        call, outer = self.transport.submit(worker_id, request, timeout_s), self
+
+        class _Call:
+            def result(self):
+                start = time.perf_counter()
+                try:
+                    return call.result()
+                finally:
+                    outer.seconds += time.perf_counter() - start
+
+        return _Call()
+
+
+class Timed:
+    """Wraps an executor's forward to add up the seconds spent in it."""
+
+    def __init__(self, executor):
+        self.executor, self.seconds = executor, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def forward(self, *a):
+        start = time.perf_counter()
+        out = self.executor.forward(*a)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | None = None):
+    """(outputs, median decode-step s, MoE s per decode step, waiting s per decode step, tokens per step)."""
+    engine = llm.engine
+    timed = engine.model.moe_runtime.executor
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    steps, moe, wait = [], [], []
+    while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)
+        moe_before, wait_before, start = timed.seconds, waits.seconds if waits else 0.0, time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        if running == len(prompts) and not engine.scheduler.waiting:  # every request decoding
+            steps.append(time.perf_counter() - start)
+            moe.append(timed.seconds - moe_before)
+            wait.append((waits.seconds if waits else 0.0) - wait_before)
+    steps, moe, wait = sorted(steps[2:-2]), sorted(moe[2:-2]), sorted(wait[2:-2])  # drop fill and drain
+    mid = len(steps) // 2
+    return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts)
+
+
+def rpc_floor(endpoint: str, version: int, repeats: int = 200) -> float:
+    request = expert_pb2.RunExpertsRequest(layer=0, placement_version=version,
+                                           hidden_states=expert_pb2.Tensor(dtype="float32", shape=[0, 8]))  # fmt: skip
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = expert_pb2_grpc.ExpertWorkerStub(channel)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            try:
+                stub.RunExperts(request, timeout=5)
+            except grpc.RpcError:
+                pass  # hidden size mismatch is refused after the lookup: still a full round trip
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of each expert worker")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1024, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.requests)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "moe")
+        build_checkpoint(path, args)
+        llm = LLM(path, num_blocks=512, max_model_len=512, show_progress=False)
+        model = llm.engine.model
+        local = model.moe_runtime.executor
+        model.set_expert_executor(Timed(local))
+        expected, step, moe, _, tokens = run(llm, prompts, args.new_tokens)
+        num_moe_layers = len(model.moe_layer_ids)
+        rows.append(["local", f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{moe * 1e3:.1f}", "-", "-", "-", "0",
+                     "yes"])  # fmt: skip
+        for num_workers in args.workers:
+            spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
+                               num_threads=args.threads, log_dir=tmp)  # fmt: skip
+            cluster = LocalCluster(spec)
+            try:
+                from moemesh.common.local_cluster import RedisServer
+
+                cluster.redis = RedisServer().start()
+                cluster.redis_url = cluster.redis.url
+                cluster.start_experts()
+                client = connect(cluster.redis_url)
+                placement = PlacementStore(client, spec.mesh).current()
+                client.close()
+                endpoints = {s.name: s.grpc_endpoint for s in cluster.services.values()}
+                waits = WaitTimed(GrpcExpertTransport(endpoints))
+                remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
+                model.set_expert_executor(Timed(remote))
+                outputs, step, moe, wait, tokens = run(llm, prompts, args.new_tokens, waits)
+                floor = rpc_floor(next(iter(endpoints.values())), placement.version)
+                moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(llm, prompts, args))
+                rows.append([f"remote x{num_workers}", f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
+                             f"{moe * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(moe - wait) * 1e3:.1f}",
+                             f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
+                             "yes" if outputs == expected else "NO"])  # fmt: skip
+                remote.close()
+            finally:
+                cluster.stop()
+        model.set_expert_executor(local)
+    print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
+          f"{num_moe_layers} MoE layers, float32; {args.requests} requests x {args.new_tokens} new tokens; "
+          f"{args.threads} torch thread(s) per process, CPU, loopback gRPC")  # fmt: skip
+    print_table(["experts", "step ms", "tokens/s", "MoE ms/step", "waiting", "dispatcher CPU", "RPC floor ms",
+                 "bytes/token", "same output"], rows)  # fmt: skip
+
+
+def remote_tokens(llm: LLM, prompts, args) -> int:
+    """Tokens that went through the model in one run: prompts plus all but the last new token."""
+    return sum(len(p) + args.new_tokens - 1 for p in prompts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Grouping one MoE layer's routed entries by expert worker, and combining the replies.
+
+An *entry* is one (token, top-k slot) pair of the layer: num_tokens * top_k of them, flattened
+token-major. Gating gives each entry a logical expert, the placement a replica (slot). The plan
+sorts the entries by replica (stable, so tokens stay ascending within a replica: the order the
+local grouped GEMM uses) and splits them by the replica's owning worker. Each worker receives
+the hidden states of the tokens it needs once, the entries as row indices grouped by replica, and
+returns one unweighted expert output per entry. `combine` scatters every output back in the
+global sorted order and adds w * E(x) into a float32 accumulator, as `kernels.fused_moe_ref`
+does, so a remote layer adds the same terms in the same order as a local one.
+
+`reroute` moves entries off workers that are down onto other replicas of the same expert.
+Pure numpy/torch on the CPU; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class WorkerBatch:
+    """What one expert worker computes for one layer."""
+
+    worker: int  # index into the placement's worker_ids
+    positions: np.ndarray  # [num_entries_w] where its outputs go in the sorted entry order
+    token_ids: np.ndarray  # [num_tokens_w] distinct tokens it needs, ascending
+    row_ids: np.ndarray  # [num_entries_w] row of token_ids for each entry, grouped by replica
+    slots: np.ndarray  # [num_groups] replicas, ascending
+    experts: np.ndarray  # [num_groups] logical expert of each replica
+    group_sizes: np.ndarray  # [num_groups] entries per replica
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.positions.size)
+
+
+@dataclass(frozen=True)
+class SortedEntries:
+    """A layer's entries sorted by replica id (stable)."""
+
+    replicas: np.ndarray  # [num_entries] replica of each sorted entry
+    experts: np.ndarray  # [num_entries] logical expert of each sorted entry
+    tokens: np.ndarray  # [num_entries] token of each sorted entry
+    order: np.ndarray  # [num_entries] index of each sorted entry in the flat [num_tokens * top_k]
+
+
+def sort_entries(replica_ids: np.ndarray, topk_ids: np.ndarray) -> SortedEntries:  # both [num_tokens, top_k]
+    top_k = replica_ids.shape[1]
+    flat = replica_ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    return SortedEntries(flat[order], topk_ids.reshape(-1)[order], order // top_k, order)
+
+
+def group_by_worker(
+    replicas: np.ndarray,  # [n]
+    experts: np.ndarray,  # [n]
+    tokens: np.ndarray,  # [n]
+    positions: np.ndarray,  # [n] positions in the sorted entry order
+    slot_owner: np.ndarray,  # [num_slots] worker index of each slot
+) -> list[WorkerBatch]:
+    """One batch per worker that owns a replica of some entry, in worker order; within a batch
+    entries are grouped by replica (stable: entry order kept inside a group)."""
+    order = np.argsort(replicas, kind="stable")
+    replicas, experts, tokens, positions = replicas[order], experts[order], tokens[order], positions[order]
+    owners = slot_owner[replicas]  # [n]
+    batches = []
+    for worker in np.unique(owners):
+        mine = np.flatnonzero(owners == worker)  # still sorted by replica
+        slots, starts, sizes = np.unique(replicas[mine], return_index=True, return_counts=True)
+        token_ids, row_ids = np.unique(tokens[mine], return_inverse=True)
+        batches.append(WorkerBatch(
+            worker=int(worker), positions=positions[mine], token_ids=token_ids, row_ids=row_ids.reshape(-1),
+            slots=slots, experts=experts[mine][starts], group_sizes=sizes,
+        ))  # fmt: skip
+    return batches
+
+
+def reroute(
+    replicas: np.ndarray,  # [n] replica of each entry
+    experts: np.ndarray,  # [n] logical expert of each entry
+    slot_down: np.ndarray,  # [num_slots] bool: the slot's worker is down
+    log2phy: np.ndarray,  # [num_experts, max_replicas] replicas of each expert (-1 padded), this layer
+    replica_counts: np.ndarray,  # [num_experts]
+) -> tuple[np.ndarray, list[int]]:
+    """Entries on down slots moved to live replicas of their expert, round-robin in entry order.
+    Returns (new replicas [n], experts that have no live replica: their entries stay put)."""
+    moved = replicas.copy()
+    stranded = []
+    for expert in np.unique(experts[slot_down[replicas]]):
+        candidates = log2phy[expert, : replica_counts[expert]]
+        alive = candidates[~slot_down[candidates]]
+        if alive.size == 0:
+            stranded.append(int(expert))
+            continue
+        entries = np.flatnonzero((experts == expert) & slot_down[replicas])
+        moved[entries] = alive[np.arange(entries.size) % alive.size]
+    return moved, stranded
+
+
+def gather_rows(hidden_states: torch.Tensor, token_ids: np.ndarray) -> torch.Tensor:  # [num_tokens_w, hidden]
+    return hidden_states.index_select(0, torch.from_numpy(token_ids))
+
+
+def combine(
+    outputs: torch.Tensor,  # [num_entries, hidden] unweighted expert outputs in sorted entry order
+    entries: SortedEntries,
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    num_tokens: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """y[t] = sum_j w[t, j] * E(x[t]) accumulated in float32, entries in sorted order."""
+    weights = topk_weights.reshape(-1).float()[torch.from_numpy(entries.order)]  # [num_entries]
+    out = torch.zeros(num_tokens, outputs.shape[1], dtype=torch.float32)
+    out.index_add_(0, torch.from_numpy(entries.tokens), outputs.float() * weights[:, None])
+    return out.to(dtype)

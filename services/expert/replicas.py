@@ -1,0 +1,108 @@
+"""An expert worker's replicas: per loaded placement version, the stacked weights of the slots it
+owns in every MoE layer, and the tokens each replica served.
+
+Callers:
+- the worker's placement loop: `load(placement)` (in a thread; weights already held by another
+  loaded version are copied from memory, only the others are read from the checkpoint),
+  `release(version)` once a version is no longer needed;
+- the servicer: `get(version)` per call, then `HostedVersion.run` on its compute thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from moemesh import kernels
+from moemesh.common.placement import Placement, PlacementError
+from moemesh.expert.weights import ExpertTensors, LayerExpert, MoEShape
+
+
+class HostedVersion:
+    def __init__(self, placement: Placement, worker_id: str, weights: dict[LayerExpert, ExpertTensors]):
+        self.placement = placement
+        self.version = placement.version
+        owned = worker_id in placement.worker_ids
+        self.slots = placement.slots_of(worker_id) if owned else np.zeros(0, dtype=np.int64)  # [num_local]
+        self.local_index = np.full(placement.num_slots, -1, dtype=np.int64)  # [num_slots] -> row of the stacks
+        self.local_index[self.slots] = np.arange(self.slots.size)
+        self.w13: list[torch.Tensor] = []  # per layer [num_local, 2 * intermediate, hidden]
+        self.w2: list[torch.Tensor] = []  # per layer [num_local, hidden, intermediate]
+        self.weights: dict[LayerExpert, ExpertTensors] = {}  # views into the stacks
+        for layer in range(placement.num_layers if self.slots.size else 0):
+            experts = placement.phy2log[layer, self.slots]
+            self.w13.append(torch.stack([weights[(layer, int(e))][0] for e in experts]))
+            self.w2.append(torch.stack([weights[(layer, int(e))][1] for e in experts]))
+            for i, e in enumerate(experts):
+                self.weights[(layer, int(e))] = (self.w13[layer][i], self.w2[layer][i])
+        self.token_counts = np.zeros((placement.num_layers, self.slots.size), dtype=np.int64)  # per local replica
+        self.num_in_flight = 0  # calls being computed (the servicer counts, in the event loop)
+        self.last_call_at = 0.0
+
+    def experts(self) -> set[LayerExpert]:
+        return set(self.weights)
+
+    def run(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        row_ids: torch.Tensor,  # [num_entries] int64 rows of x
+        local: torch.Tensor,  # [num_entries] int64 local replica of each entry
+    ) -> torch.Tensor:  # [num_entries, hidden] unweighted expert outputs
+        rows = x.index_select(0, row_ids)  # [num_entries, hidden]
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        return kernels.fused_moe(rows, self.w13[layer], self.w2[layer], ones, local[:, None])
+
+
+class ReplicaStore:
+    def __init__(
+        self,
+        worker_id: str,
+        shape: MoEShape,
+        read_weights: Callable[[set[LayerExpert]], dict[LayerExpert, ExpertTensors]],
+    ):
+        self.worker_id, self.shape = worker_id, shape
+        self._read_weights = read_weights
+        self._versions: dict[int, HostedVersion] = {}
+
+    def check(self, placement: Placement) -> None:
+        """Raises PlacementError when the placement does not fit this model."""
+        if (placement.num_layers, placement.num_experts) != (self.shape.num_layers, self.shape.num_experts):
+            raise PlacementError(
+                f"placement {placement.version} covers {placement.num_layers} MoE layers x {placement.num_experts} "
+                f"experts; the model has {self.shape.num_layers} x {self.shape.num_experts}"
+            )
+
+    def load(self, placement: Placement) -> HostedVersion:
+        self.check(placement)
+        hosted_now = list(self._versions.values())
+        in_memory: dict[LayerExpert, ExpertTensors] = {}
+        for hosted in hosted_now:
+            in_memory.update(hosted.weights)
+        owned = self.worker_id in placement.worker_ids
+        slots = placement.slots_of(self.worker_id) if owned else np.zeros(0, dtype=np.int64)
+        needed = {(layer, int(e)) for layer in range(placement.num_layers) for e in placement.phy2log[layer, slots]}
+        weights = {key: in_memory[key] for key in needed if key in in_memory}
+        missing = needed - set(weights)
+        if missing:
+            weights.update(self._read_weights(missing))
+        hosted = HostedVersion(placement, self.worker_id, weights)
+        self._versions = {**self._versions, placement.version: hosted}
+        return hosted
+
+    def get(self, version: int) -> HostedVersion | None:
+        return self._versions.get(version)
+
+    def versions(self) -> list[int]:
+        return sorted(self._versions)
+
+    def release(self, version: int) -> None:
+        self._versions = {v: h for v, h in self._versions.items() if v != version}
+
+    def hosted_experts(self) -> set[LayerExpert]:
+        experts: set[LayerExpert] = set()
+        for hosted in self._versions.values():
+            experts |= hosted.experts()
+        return experts

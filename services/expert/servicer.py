@@ -1,0 +1,143 @@
+"""ExpertWorker gRPC servicer: proto <-> replica compute.
+
+`parse_call` checks a RunExpertsRequest against a loaded version (layer range, tensor shape,
+groups of slots this worker owns holding the named experts, row ids in range) and returns the
+compute inputs; `run_call` computes them. The servicer runs the compute on one dedicated thread
+(torch uses its intra-op threads inside it), so health checks and status calls stay responsive,
+and counts each call in flight per version (a version is released only when none is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from moemesh.expert.replicas import HostedVersion, ReplicaStore
+from moemesh.expert.wire import WireError, tensor_from_proto, tensor_to_proto
+from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+
+
+class CallError(Exception):
+    """A RunExperts request this worker refuses; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    hosted: HostedVersion
+    layer: int
+    x: torch.Tensor  # [num_tokens, hidden]
+    row_ids: torch.Tensor  # [num_entries] int64
+    local: torch.Tensor  # [num_entries] int64 local replica per entry
+    local_counts: np.ndarray  # [num_local] entries per local replica
+
+
+def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> ParsedCall:
+    hosted = store.get(request.placement_version)
+    if hosted is None:
+        raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"placement version {request.placement_version} is not loaded on expert worker "
+                        f"{store.worker_id} (loaded: {store.versions()})")  # fmt: skip
+    shape = store.shape
+    if not 0 <= request.layer < shape.num_layers:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} is not in [0, {shape.num_layers})")
+    try:
+        x = tensor_from_proto(request.hidden_states, "hidden_states", ndim=2)
+    except WireError as e:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    if x.shape[1] != shape.hidden_size:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"hidden_states have width {x.shape[1]}, the model's hidden size is {shape.hidden_size}")  # fmt: skip
+    slots = np.array([g.slot for g in request.groups], dtype=np.int64)
+    experts = np.array([g.expert for g in request.groups], dtype=np.int64)
+    sizes = np.array([g.num_rows for g in request.groups], dtype=np.int64)
+    placement = hosted.placement
+    if ((slots < 0) | (slots >= placement.num_slots)).any() or (sizes < 0).any():
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"groups name slots outside [0, {placement.num_slots}) "
+                                                          "or negative row counts")  # fmt: skip
+    local = hosted.local_index[slots]
+    if (local < 0).any():
+        raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"slots {slots[local < 0].tolist()} are not expert worker {store.worker_id}'s in placement "
+                        f"{hosted.version}")  # fmt: skip
+    held = placement.phy2log[request.layer, slots]
+    if (held != experts).any():
+        bad = int(np.flatnonzero(held != experts)[0])
+        raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"slot {slots[bad]} holds expert {held[bad]} in layer {request.layer} of placement "
+                        f"{hosted.version}, not {experts[bad]}")  # fmt: skip
+    row_ids = np.array(request.row_ids, dtype=np.int64)
+    if row_ids.size != int(sizes.sum()):
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{row_ids.size} row ids for groups of {int(sizes.sum())} rows")  # fmt: skip
+    if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= x.shape[0]):
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must be in [0, {x.shape[0]})")
+    local_counts = np.bincount(local, weights=sizes, minlength=hosted.slots.size).astype(np.int64)
+    return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), torch.from_numpy(np.repeat(local, sizes)),
+                      local_counts)  # fmt: skip
+
+
+def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
+    hosted = call.hosted
+    if call.row_ids.numel() == 0:
+        y = torch.zeros(0, call.x.shape[1], dtype=call.x.dtype)
+    else:
+        weights = hosted.w13[call.layer]  # computed in the weights' dtype, on their device
+        x = call.x.to(device=weights.device, dtype=weights.dtype)
+        local = call.local.to(weights.device)
+        y = hosted.run(call.layer, x, call.row_ids.to(weights.device), local).to(device="cpu", dtype=call.x.dtype)
+    return expert_pb2.RunExpertsResponse(outputs=tensor_to_proto(y))
+
+
+class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
+    def __init__(self, store: ReplicaStore, status: Callable[[], expert_pb2.ExpertStatus],
+                 num_threads: int | None = None, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.store = store
+        self._status = status
+        self._clock = clock
+        initializer = (lambda: torch.set_num_threads(num_threads)) if num_threads else None
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moemesh-expert", initializer=initializer)
+        self.window_counts = np.zeros((store.shape.num_layers, store.shape.num_experts), dtype=np.int64)
+        self.total_counts = np.zeros_like(self.window_counts)  # since start
+        self.num_in_flight = 0
+
+    async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
+        try:
+            call = parse_call(self.store, request)
+        except CallError as e:
+            await context.abort(e.code, str(e))
+        hosted = call.hosted
+        hosted.num_in_flight += 1
+        self.num_in_flight += 1
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(self._compute, run_call, call)
+        finally:
+            hosted.num_in_flight -= 1
+            self.num_in_flight -= 1
+            hosted.last_call_at = self._clock()
+        hosted.token_counts[call.layer] += call.local_counts
+        experts = hosted.placement.phy2log[call.layer, hosted.slots]  # [num_local]
+        np.add.at(self.window_counts[call.layer], experts, call.local_counts)
+        np.add.at(self.total_counts[call.layer], experts, call.local_counts)
+        return reply
+
+    async def GetStatus(self, request, context) -> expert_pb2.ExpertStatus:
+        return self._status()
+
+    def take_window(self) -> np.ndarray:
+        """Counts since the last call ([num_layers, num_experts]), reset (the telemetry window)."""
+        counts, self.window_counts = self.window_counts, np.zeros_like(self.window_counts)
+        return counts
+
+    def close(self) -> None:
+        self._compute.shutdown(wait=True)

@@ -1,0 +1,199 @@
+"""The remote executor's grouping and combining against LocalExpertExecutor (bit for bit when
+both use the same placement) and a float64 reference, over in-process expert workers."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from moemesh.common.placement import Placement, make_placement
+from moemesh.engine.errors import ExpertUnavailableError
+from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor
+from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries
+from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
+from moemesh.expert.servicer import CallError, parse_call
+from moemesh.expert.wire import tensor_to_proto
+from moemesh.proto.v1 import expert_pb2
+from .loopback import LoopbackTransport, random_experts
+
+NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER, TOP_K = 2, 8, 32, 16, 3
+WORKERS = ["w0", "w1", "w2", "w3"]
+
+
+def routing(num_tokens: int, seed: int = 1, hot: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=gen)
+    if hot is not None:
+        logits[:, hot] += 10.0  # every token picks the hot expert
+    weights, ids = torch.softmax(logits, -1).topk(TOP_K, dim=-1)
+    return x, ids, weights.float()
+
+
+def identity(workers: list[str], version: int = 1) -> Placement:
+    return make_placement(version, np.tile(np.arange(NUM_EXPERTS), (NUM_LAYERS, 1)), workers, NUM_EXPERTS)
+
+
+def hot_doubled(workers: list[str], hot: int, version: int = 2) -> Placement:
+    """12 slots over 3 or 4 workers: every expert once, the hot one a second time far away."""
+    row = [*range(NUM_EXPERTS), hot, (hot + 1) % NUM_EXPERTS, (hot + 2) % NUM_EXPERTS, (hot + 3) % NUM_EXPERTS]
+    return make_placement(version, np.tile(row, (NUM_LAYERS, 1)), workers, NUM_EXPERTS)
+
+
+def executors(placement: Placement, dtype=torch.float32, workers=WORKERS):
+    experts = random_experts(NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER, dtype)
+    transport = LoopbackTransport(experts, list(workers))
+    transport.load(placement)
+    local = LocalExpertExecutor(experts, ExpertPlacement.from_placement(placement))
+    return local, RemoteExpertExecutor(transport, RemotePlacement(placement)), transport, experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_workers_equal_the_local_executor_bit_for_bit(dtype):
+    local, remote, transport, _ = executors(identity(WORKERS[:2]), dtype, WORKERS[:2])
+    x, ids, weights = routing(37)
+    for layer in range(NUM_LAYERS):
+        x_in = x.to(dtype)
+        assert torch.equal(remote.forward(layer, x_in, ids, weights), local.forward(layer, x_in, ids, weights))
+    assert sorted(set(transport.calls)) == [("w0", 0), ("w0", 1), ("w1", 0), ("w1", 1)]  # one call per worker per layer
+
+
+def test_remote_layer_matches_a_float64_reference():
+    _, remote, _, experts = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
+    x, ids, weights = routing(9)
+    w13, w2 = experts[1].w13.double(), experts[1].w2.double()
+    expected = torch.zeros(9, HIDDEN, dtype=torch.float64)
+    for t in range(9):
+        for j in range(TOP_K):
+            gate, up = (w13[ids[t, j]] @ x[t].double()).chunk(2)
+            expected[t] += weights[t, j].double() * (w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(remote.forward(1, x, ids, weights).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hot_expert_with_two_replicas_splits_its_tokens_evenly_and_outputs_stay_identical():
+    hot = 5
+    placement = hot_doubled(WORKERS[:3], hot)
+    local, remote, transport, _ = executors(placement, workers=WORKERS[:3])
+    x, ids, weights = routing(40, hot=hot)
+    assert torch.equal(remote.forward(0, x, ids, weights), local.forward(0, x, ids, weights))
+    slots = placement.log2phy[0, hot, :2]  # slot 5 on w1, slot 8 on w2
+    counts = {}
+    for store in transport.stores.values():
+        hosted = store.get(placement.version)
+        for local_index, slot in enumerate(hosted.slots):
+            counts[int(slot)] = int(hosted.token_counts[0, local_index])
+    assert [counts[int(s)] for s in slots] == [20, 20]
+    identity_out = LocalExpertExecutor(transport_weights(transport)).forward(0, x, ids, weights)
+    torch.testing.assert_close(remote.forward(0, x, ids, weights), identity_out, rtol=1e-6, atol=1e-6)
+
+
+def transport_weights(transport):
+    store = next(iter(transport.stores.values()))
+    weights = store._read_weights({(0, e) for e in range(NUM_EXPERTS)})
+    from .loopback import LayerWeights
+
+    return [LayerWeights(torch.stack([weights[(0, e)][0] for e in range(NUM_EXPERTS)]),
+                         torch.stack([weights[(0, e)][1] for e in range(NUM_EXPERTS)]))]  # fmt: skip
+
+
+def test_a_dead_worker_is_routed_around_when_its_experts_have_replicas_elsewhere():
+    placement = make_placement(3, np.tile(np.arange(NUM_EXPERTS).repeat(2), (NUM_LAYERS, 1)), WORKERS, NUM_EXPERTS)
+    local, remote, transport, _ = executors(placement)  # each expert twice, on neighbouring slots
+    # slots 2k, 2k+1 hold expert k: w0 owns 0..3 (experts 0, 1), w1 4..7 (2, 3), ...: no redundancy across workers
+    redundant = Placement(version=4, num_experts=NUM_EXPERTS, worker_ids=tuple(WORKERS),
+                          slot_owner=np.tile(np.arange(4), 4), phy2log=placement.phy2log)  # fmt: skip
+    transport.load(redundant)
+    remote.set_placement(RemotePlacement(redundant))
+    x, ids, weights = routing(30)
+    transport.dead.add("w1")
+    out = remote.forward(0, x, ids, weights)
+    torch.testing.assert_close(out, local.forward(0, x, ids, weights), rtol=1e-6, atol=1e-6)
+    assert remote.num_rerouted_entries > 0
+    calls_before = len(transport.calls)
+    remote.forward(1, x, ids, weights)  # w1 is marked down: no failed call first
+    assert "w1" not in {w for w, _ in transport.calls[calls_before:]}
+
+
+def test_a_dead_worker_holding_the_only_replica_fails_the_layer_with_the_worker_and_experts_named():
+    _, remote, transport, _ = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
+    transport.dead.add("w1")
+    x, ids, weights = routing(16)
+    with pytest.raises(ExpertUnavailableError, match=r"expert worker w1 .*UNAVAILABLE.*experts \[4, 5, 6, 7\]"):
+        remote.forward(0, x, ids, weights)
+
+
+def test_a_new_placement_is_adopted_at_the_first_moe_layer_only():
+    _, remote, transport, _ = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
+    nxt = identity(WORKERS[:2], version=7)
+    transport.load(nxt)
+    x, ids, weights = routing(4)
+    remote.set_placement(RemotePlacement(nxt))
+    assert remote.placement.version == 1 and remote.version == 7
+    remote.forward(1, x, ids, weights)
+    assert remote.placement.version == 1  # mid-forward: unchanged
+    remote.forward(0, x, ids, weights)
+    assert remote.placement.version == 7
+
+
+def test_reroute_spreads_moved_entries_over_the_live_replicas():
+    replicas = np.array([0, 0, 0, 1])
+    experts = np.array([0, 0, 0, 1])
+    log2phy = np.array([[0, 2, 3], [1, -1, -1]])
+    moved, stranded = reroute(replicas, experts, np.array([True, False, False, False]), log2phy, np.array([3, 1]))
+    assert moved.tolist() == [2, 3, 2, 1] and stranded == []
+    _, stranded = reroute(replicas, experts, np.array([False, True, False, False]), log2phy, np.array([3, 1]))
+    assert stranded == [1]
+
+
+def test_worker_batches_send_each_token_once_and_group_entries_by_replica():
+    replica_ids = np.array([[0, 3], [3, 1], [2, 0]])  # 3 tokens, top-2; slots 0, 1 on worker 0, slots 2, 3 on worker 1
+    entries = sort_entries(replica_ids, replica_ids)
+    batches = group_by_worker(entries.replicas, entries.experts, entries.tokens, np.arange(6), np.array([0, 0, 1, 1]))
+    w0, w1 = batches
+    assert w0.token_ids.tolist() == [0, 1, 2] and w0.slots.tolist() == [0, 1] and w0.group_sizes.tolist() == [2, 1]
+    assert w0.token_ids[w0.row_ids].tolist() == [0, 2, 1]
+    assert w1.token_ids.tolist() == [0, 1, 2] and w1.slots.tolist() == [2, 3]
+    assert w1.token_ids[w1.row_ids].tolist() == [2, 0, 1]
+
+
+def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_status():
+    _, _, transport, _ = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
+    store = transport.stores["w0"]
+    x = tensor_to_proto(torch.zeros(2, HIDDEN))
+
+    def call(**kw):
+        fields = dict(layer=0, placement_version=1, hidden_states=x,
+                      groups=[expert_pb2.ReplicaGroup(slot=0, expert=0, num_rows=2)], row_ids=[0, 1]) | kw  # fmt: skip
+        with pytest.raises(CallError) as info:
+            parse_call(store, expert_pb2.RunExpertsRequest(**fields))
+        return info.value.code, str(info.value)
+
+    assert call(placement_version=9)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert call(layer=5)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert call(groups=[expert_pb2.ReplicaGroup(slot=6, expert=6, num_rows=2)]) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "slots [6] are not expert worker w0's in placement 1")
+    wrong_expert = [expert_pb2.ReplicaGroup(slot=1, expert=0, num_rows=2)]
+    assert call(groups=wrong_expert)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert call(row_ids=[0, 2])[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert call(hidden_states=expert_pb2.Tensor(dtype="float32", shape=[2, HIDDEN], data=b"\0" * 8))[0] == (
+        grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_a_serving_worker_records_the_failure_and_the_forward_finishes_with_zeros():
+    experts = random_experts(NUM_LAYERS, NUM_EXPERTS, HIDDEN, INTER)
+    transport = LoopbackTransport(experts, WORKERS[:2])
+    placement = identity(WORKERS[:2])
+    transport.load(placement)
+    remote = RemoteExpertExecutor(transport, RemotePlacement(placement), on_error="record")
+    x, ids, weights = routing(8)
+    transport.dead.add("w0")
+    assert not remote.forward(0, x, ids, weights).any()
+    calls = len(transport.calls)
+    assert not remote.forward(1, x, ids, weights).any() and len(transport.calls) == calls  # rest of the forward skipped
+    assert "expert worker w0" in str(remote.take_error()) and remote.take_error() is None
+    transport.dead.clear()
+    remote._down_until.clear()  # the retry delay has passed
+    expected = LocalExpertExecutor(experts).forward(0, x, ids, weights)
+    assert torch.equal(remote.forward(0, x, ids, weights), expected)

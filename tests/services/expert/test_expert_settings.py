@@ -1,0 +1,55 @@
+"""The expert role's contract with the operator's manifests (command, mesh.json, POD_NAME), and
+bad input at the CLI boundary."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from moemesh.cli import build_parser
+from moemesh.common.settings import SettingsError, worker_settings
+from moemesh.operator import manifests
+from moemesh.operator.spec import parse_spec
+
+SPEC = {"model": {"name": "m", "source": "/models/m", "numMoeLayers": 3, "numExperts": 16}, "expert": {"replicas": 2}}
+
+
+def settings_from_manifests(role: str, tmp_path, pod_name: str):
+    spec = parse_spec(SPEC, "img")
+    config = tmp_path / "mesh.json"
+    config.write_text(manifests.config_map(spec, "m", "ns", "uid", "redis://redis:6379/0")["data"]["mesh.json"])
+    command = manifests.workload(spec, "m", "ns", "uid", role, 1, None)["spec"]["template"]["spec"]["containers"][0]
+    argv = [a.replace(manifests.CONFIG_PATH, str(config)) for a in command["command"][1:]]
+    return worker_settings(build_parser().parse_args(argv), env={"POD_NAME": pod_name, "POD_IP": "10.0.0.7"})
+
+
+def test_an_expert_pod_is_an_expert_worker_named_after_its_pod(tmp_path):
+    settings = settings_from_manifests("expert", tmp_path, "m-expert-1")
+    assert (settings.role, settings.worker_id, settings.endpoint) == ("expert", "m-expert-1", "10.0.0.7:50051")
+    assert settings.mesh.mesh == "ns/m" and settings.expert.remote is False
+    assert manifests.expert_worker_ids("m", 2) == ["m-expert-0", "m-expert-1"]
+
+
+def test_decode_pods_of_a_mesh_with_expert_workers_run_their_experts_remotely(tmp_path):
+    assert settings_from_manifests("decode", tmp_path, "m-decode-abc").expert.remote is True
+
+
+def test_expert_settings_reject_non_positive_timeouts():
+    args = build_parser().parse_args(["serve", "--role", "decode", "--expert-timeout", "0"])
+    with pytest.raises(SettingsError, match="call_timeout_s must be > 0"):
+        worker_settings(args, env={})
+
+
+def test_an_expert_worker_on_a_dense_model_exits_2_with_the_reason(smollm_path):
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "serve", "--role", "expert", "--model", smollm_path,
+                             "--worker-id", "e0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert "LlamaForCausalLM has no MoE layers: expert workers need a Mixture-of-Experts model" in result.stderr
+
+
+def test_placement_apply_of_a_missing_file_exits_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(tmp_path / "none.json")],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "cannot use placement" in result.stderr

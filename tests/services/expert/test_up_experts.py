@@ -1,0 +1,51 @@
+"""`moemesh up --experts 2 --model DIR` on a tiny random DeepSeek-V3 checkpoint (MLA + grouped
+routing + a shared expert): Redis, two expert workers with an even placement, an aggregated
+worker using them and a router; greedy outputs equal the in-process engine with local experts
+and Hugging Face `generate`; Ctrl-C stops every process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from moemesh.common.local_cluster import free_port
+from moemesh.engine.sampling_params import SamplingParams
+from tests.services.test_up import alive, children_of
+from .conftest import hf_generate, local_engine
+from .expert_helpers import MAX_NEW, generate_all
+
+
+def test_moemesh_up_with_two_expert_workers_serves_deepseek_v3_like_local_experts_and_hugging_face(
+    deepseek, prompts, tmp_path
+):
+    path, hf = deepseek
+    command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--experts", "2", "--model", path,
+               "--port", str(free_port()), "--kv-memory-gib", "0.02", "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        line = up.stdout.readline()
+        match = re.match(r"moemesh is up: .* \(gRPC Generate at (127\.0\.0\.1:\d+)\)", line)
+        assert match, line + "".join(open(p).read()[-2000:] for p in tmp_path.glob("*.log"))
+        processes = children_of(up.pid)
+        assert len(processes) == 5  # redis-server, 2 expert workers, worker, router
+        assert sorted(p.name for p in tmp_path.glob("*.log")) == [
+            "local-expert-0.log", "local-expert-1.log", "router.log", "worker-0.log"]  # fmt: skip
+        ours = generate_all(SimpleNamespace(grpc_endpoint=match.group(1)), prompts)
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        assert ours == [o.token_ids for o in local_engine(path).generate(prompts, greedy)]
+        assert ours == hf_generate(hf, prompts, MAX_NEW)
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in processes if alive(p)] == []
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
