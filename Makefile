@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/moemesh generate --chat "What is a Mixture-of-Experts language model?" --max-tokens 96
+	$(BIN)/moemesh up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,8 +1,9 @@
 """`moemesh` command line.
 
     moemesh generate "prompt"                 run the offline engine
-    moemesh serve --role ROLE [--config F]    run one service (router | prefill | decode | both)
-    moemesh up                                run a local cluster: Redis, router, prefill and decode workers
+    moemesh serve --role ROLE [--config F]    run one service (router | prefill | decode | both | expert)
+    moemesh up [--experts N]                  run a local cluster: Redis, router, prefill, decode (and expert) workers
+    moemesh placement apply FILE              apply an expert placement (JSON) to a running mesh
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     from moemesh.common.local_cluster import add_up_arguments
-    from moemesh.common.settings import add_serve_arguments
+    from moemesh.common.settings import add_serve_arguments, add_speculation_arguments
+
+    add_speculation_arguments(gen.add_argument_group("speculative decoding"))
 
     serve = sub.add_parser("serve", help="run one service: router, prefill, decode or both (aggregated worker)")
     add_serve_arguments(serve)
@@ -36,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local cluster on loopback (Redis, router, prefill + decode workers)")
     add_up_arguments(up)
     up.set_defaults(func=_up)
+    from moemesh.common.placement_cli import add_placement_arguments
+
+    placement = sub.add_parser("placement", help="expert placements: apply one to a running mesh (two-phase)")
+    add_placement_arguments(placement)
     return parser
 
 
@@ -56,10 +63,14 @@ def _serve(args) -> int:
             settings = router_settings(args)
             _configure_logging("router")
             return router_main(settings)
-        from moemesh.decode.worker import main as worker_main
-
         settings = worker_settings(args)
         _configure_logging(settings.worker_id)
+        if settings.role == "expert":
+            from moemesh.expert.worker import main as expert_main
+
+            return expert_main(settings)
+        from moemesh.decode.worker import main as worker_main
+
         return worker_main(settings)
     except (SettingsError, MoemeshError) as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
@@ -73,6 +84,7 @@ def _up(args) -> int:
 
 
 def _generate(args) -> int:
+    from moemesh.common.settings import SettingsError, speculation_settings
     from moemesh.engine.errors import MoemeshError
     from moemesh.engine.llm import LLM
     from moemesh.engine.sampling_params import SamplingParams
@@ -86,12 +98,13 @@ def _generate(args) -> int:
             max_tokens=args.max_tokens,
             stop=tuple(args.stop),
         )
-        llm = LLM(model=args.model, dtype=args.dtype)
+        speculative = speculation_settings(args).spec_config()
+        llm = LLM(model=args.model, dtype=args.dtype, speculative=speculative)
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
             outputs = llm.generate(args.prompt, params)
-    except MoemeshError as e:
+    except (SettingsError, MoemeshError) as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
     for prompt, output in zip(args.prompt, outputs):

@@ -20,3 +20,37 @@ def test_bad_arguments_exit_with_a_message():
     assert result.returncode == 2 and "does not exist" in result.stderr
     result = run_cli("generate", "hi", "--max-tokens", "0")
     assert result.returncode == 2 and "max_tokens" in result.stderr
+
+
+def test_bad_speculation_flags_exit_with_a_message():
+    result = run_cli("generate", "hi", "--speculative-method", "draft")
+    assert result.returncode == 2 and "needs --draft-model" in result.stderr
+    result = run_cli("generate", "hi", "--num-speculative-tokens", "17")
+    assert result.returncode == 2 and "--num-speculative-tokens must be in [1, 16]" in result.stderr
+    result = run_cli("generate", "hi", "--speculative-method", "eagle")
+    assert result.returncode == 2 and "invalid choice: 'eagle'" in result.stderr
+    result = run_cli("serve", "--role", "decode", "--speculative-method", "draft", "--draft-model", "/nonexistent")
+    assert result.returncode == 2 and "--draft-model '/nonexistent' does not exist" in result.stderr
+
+
+def test_generate_passes_the_speculation_flags_to_the_engine(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import moemesh.engine.llm
+    from moemesh import cli
+    from moemesh.engine.config import SpecConfig
+
+    seen = {}
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def generate(self, prompts, params):
+            return [SimpleNamespace(text="done") for _ in prompts]
+
+    monkeypatch.setattr(moemesh.engine.llm, "LLM", RecordingLLM)
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--speculative-scheduling", "fixed"]
+    assert cli.main(["generate", "hi", *flags]) == 0
+    assert seen["speculative"] == SpecConfig(method="ngram", num_speculative_tokens=3, scheduling="fixed")
+    assert capsys.readouterr().out.strip() == "done"

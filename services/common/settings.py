@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
-WORKER_ROLES = ("prefill", "decode", "both")
+WORKER_ROLES = ("prefill", "decode", "both", "expert")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_SCHEDULING = ("fixed", "confidence")
 
 
 class SettingsError(ValueError):
@@ -41,6 +43,57 @@ class MeshSettings:
 
 
 @dataclass(frozen=True)
+class SpeculationSettings:
+    """Speculative decoding of a decode worker or `moemesh generate` (see SpecConfig)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    scheduling: str = "confidence"
+    draft_model: str | None = None  # GGUF / HF dir sharing the target's tokenizer (method draft)
+
+    def __post_init__(self):
+        method, draft = self.method, self.draft_model
+        _check(method in SPECULATIVE_METHODS,
+               f"--speculative-method must be one of {SPECULATIVE_METHODS}, got {method!r}")  # fmt: skip
+        scheduling = self.scheduling
+        _check(scheduling in SPECULATIVE_SCHEDULING,
+               f"--speculative-scheduling must be one of {SPECULATIVE_SCHEDULING}, got {scheduling!r}")  # fmt: skip
+        k = self.num_speculative_tokens
+        _check(1 <= k <= 16, f"--num-speculative-tokens must be in [1, 16], got {k}")
+        if method == "draft":
+            _check(bool(draft), "--speculative-method draft needs --draft-model PATH (a GGUF file or HF directory)")
+            _check(os.path.exists(draft), f"--draft-model {draft!r} does not exist")
+        else:
+            _check(not draft, f"--draft-model is only used with --speculative-method draft, not {method!r}")
+
+    def spec_config(self):
+        """The engine's SpecConfig for these settings."""
+        from moemesh.engine.config import SpecConfig
+
+        return SpecConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
+                          scheduling=self.scheduling, draft_model=self.draft_model)  # fmt: skip
+
+
+def speculation_settings(args) -> SpeculationSettings:
+    return SpeculationSettings(
+        method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        scheduling=args.speculative_scheduling,
+        draft_model=args.draft_model,
+    )
+
+
+def add_speculation_arguments(parser) -> None:
+    """`--speculative-*` and `--draft-model` (moemesh generate, decode / both workers)."""
+    parser.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
+                        help="draft tokens by prompt n-gram lookup or with a draft model (default none)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and round (1-16)")
+    parser.add_argument("--speculative-scheduling", default="confidence", choices=SPECULATIVE_SCHEDULING,
+                        help="verify every draft (fixed) or DSpark's confidence-scheduled prefix (default)")
+    parser.add_argument("--draft-model", default=None, help="draft GGUF / HF dir sharing the target's tokenizer")
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     model: str | None = None  # GGUF / HF dir; None: the default SmolLM2
     dtype: str = "float32"
@@ -50,9 +103,28 @@ class EngineSettings:
     kv_memory_gib: float = 1.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    async_scheduling: bool = True  # execution overlap (off with speculation)
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads of the engine thread
     seed: int = 0
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+
+
+@dataclass(frozen=True)
+class ExpertSettings:
+    """Expert workers (role 'expert') and the remote ExpertExecutor of prefill/decode workers."""
+
+    remote: bool = False  # prefill/decode: routed experts run on the expert workers
+    call_timeout_s: float = 10.0  # one RunExperts call
+    retry_down_s: float = 2.0  # a failed expert worker is routed around this long
+    placement_poll_s: float = 0.1  # how often placement versions (and endpoints) are read
+    load_window_s: float = 10.0  # expert worker: telemetry window of token counts
+    release_grace_s: float = 2.0  # expert worker: keep a superseded version this long after its last call
+
+    def __post_init__(self):
+        for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +142,7 @@ class WorkerSettings:
     shutdown_grace_s: float = 10.0
     mesh: MeshSettings = field(default_factory=MeshSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    expert: ExpertSettings = field(default_factory=ExpertSettings)
 
     def __post_init__(self):
         _check(self.role in WORKER_ROLES, f"worker role must be one of {WORKER_ROLES}, got {self.role!r}")
@@ -173,9 +246,23 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
             kv_memory_gib=args.kv_memory_gib,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=not args.no_async_scheduling,
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,
+            speculation=speculation_settings(args) if role in ("decode", "both") else SpeculationSettings(),
         ),
+        expert=expert_settings(args, config),
+    )
+
+
+def expert_settings(args, config: dict) -> ExpertSettings:
+    """Remote experts when asked (`--remote-experts`) or when the mesh config lists expert workers."""
+    return ExpertSettings(
+        remote=bool(args.remote_experts or config.get("expert_worker_ids")) and args.role != "expert",
+        call_timeout_s=args.expert_timeout,
+        placement_poll_s=args.placement_poll,
+        load_window_s=args.expert_load_window,
+        release_grace_s=args.replica_release_grace,
     )
 
 
@@ -229,12 +316,26 @@ def add_serve_arguments(parser) -> None:
     worker.add_argument("--kv-memory-gib", type=float, default=1.0)
     worker.add_argument("--max-num-seqs", type=int, default=64)
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    worker.add_argument("--no-async-scheduling", action="store_true",
+                        help="run rounds one after another (no execution overlap)")
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
     worker.add_argument("--min-remote-prefill-tokens", type=int, default=None,
                         help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)")
     worker.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)
+    add_speculation_arguments(parser.add_argument_group("speculative decoding (decode / both workers)"))
+    expert = parser.add_argument_group("expert workers / remote experts")
+    expert.add_argument("--remote-experts", action="store_true",
+                        help="prefill/decode: run the routed experts on the expert workers of the placement")
+    expert.add_argument("--expert-timeout", type=float, default=ExpertSettings.call_timeout_s,
+                        help="seconds per expert call before the expert worker counts as down")
+    expert.add_argument("--placement-poll", type=float, default=ExpertSettings.placement_poll_s,
+                        help="seconds between reads of the placement version")
+    expert.add_argument("--expert-load-window", type=float, default=ExpertSettings.load_window_s,
+                        help="expert worker: seconds per published window of token counts")
+    expert.add_argument("--replica-release-grace", type=float, default=ExpertSettings.release_grace_s,
+                        help="expert worker: seconds a superseded placement's replicas stay after their last call")
     router = parser.add_argument_group("router")
     router.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000)")
     router.add_argument("--served-model-name", default=None)

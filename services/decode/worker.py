@@ -28,24 +28,32 @@ from moemesh.common.settings import EngineSettings, WorkerSettings
 from moemesh.decode.kv_client import GrpcKVTransport
 from moemesh.decode.servicer import DecodeServicer
 from moemesh.engine.async_engine import AsyncEngine
+from moemesh.expert.attach import NoRemoteExperts, RemoteExperts
 from moemesh.prefill.servicer import PrefillServicer
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
-def build_engine(settings: EngineSettings):
+def engine_config(settings: EngineSettings):
+    """The worker engine's EngineConfig (raises ConfigError for values the engine rejects)."""
     from moemesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from moemesh.engine.llm_engine import LLMEngine
     from moemesh.engine.loader import default_model_path
 
-    config = EngineConfig(
+    return EngineConfig(
         model=ModelConfig(settings.model or default_model_path(), settings.dtype, settings.device,
                           settings.max_model_len, settings.seed),  # fmt: skip
         cache=CacheConfig(settings.block_size, settings.num_blocks, settings.kv_memory_gib),
-        scheduler=SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens),
+        scheduler=SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                  async_scheduling=settings.async_scheduling),
+        spec=settings.speculation.spec_config(),
     )
-    return LLMEngine(config, show_progress=False)
+
+
+def build_engine(settings: EngineSettings):
+    from moemesh.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config(settings), show_progress=False)
 
 
 class Worker:
@@ -56,6 +64,8 @@ class Worker:
         self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
         self._redis_ok = True
         self._tasks: list[asyncio.Task] = []
+        self.experts = RemoteExperts(self.redis, settings.mesh.mesh, settings.expert) if settings.expert.remote \
+            else NoRemoteExperts()  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -82,13 +92,17 @@ class Worker:
             await _first(self.engine.wait_ready(), stop.wait())
             if stop.is_set():
                 return
+            await self.experts.install(self.engine, stop)  # remote experts: waits for an active placement
+            if stop.is_set():
+                return
             engine = self.engine.engine
             self.publisher = PrefixIndexPublisher(
                 PrefixIndex(self.redis, s.mesh.mesh), s.worker_id, engine.budget.block_size, engine.model_id,
                 snapshot=lambda: self.engine.call(lambda e: e.kv_cache_manager.cached_block_hashes()),
                 ttl_s=s.mesh.heartbeat_ttl_s,
             )  # fmt: skip
-            self._tasks = [asyncio.create_task(self.publisher.run()), asyncio.create_task(self._heartbeats())]
+            self._tasks = [asyncio.create_task(self.publisher.run()), asyncio.create_task(self._heartbeats()),
+                           asyncio.create_task(self.experts.watch())]  # fmt: skip
             await self.publisher.flush()
             await self._heartbeat_once()
             await self.health.set_serving(True)
@@ -167,6 +181,7 @@ class Worker:
         await server.stop(s.shutdown_grace_s)
         await self.health.shutdown()
         await self.engine.stop()
+        self.experts.close()
         await self.channels.close()
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -31,6 +31,7 @@ from moemesh.engine.llm_engine import LLMEngine
 from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import RemotePrefillParams
 from moemesh.engine.sampling_params import SamplingParams
+from moemesh.engine.step_failure import fail_unfinished_requests, take_expert_error
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ class RemotePrefillNeeded:
 
 
 EngineEvent = RemotePrefillNeeded | RequestOutput | ExportedKV
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The request was failed by the engine thread (e.g. its experts are unreachable)."""
+
+    request_id: str
+    error: Exception
 
 
 class EngineDeadError(RuntimeError):
@@ -122,6 +131,9 @@ class AsyncEngine:
                 event = await events.get()
                 if isinstance(event, EngineDeadError):
                     raise event
+                if isinstance(event, RequestFailed):
+                    done = True
+                    raise event.error
                 if isinstance(event, ExportedKV):
                     done = True
                 elif isinstance(event, RequestOutput) and event.finished:
@@ -164,14 +176,22 @@ class AsyncEngine:
             raise
         finally:
             self._stopping.set()
+            self.engine.shutdown()
             self._loop.call_soon_threadsafe(self._fail_all)
 
     def _loop_once(self, engine: LLMEngine) -> None:
-        idle = not engine.scheduler.has_schedulable_requests
+        idle = not engine.has_steppable_work
         self._run_commands(engine, block=idle)
         events: list = []
-        if engine.scheduler.has_schedulable_requests:
-            for output in engine.step():
+        if engine.has_steppable_work:
+            outputs = engine.step()
+            error = take_expert_error(engine)
+            if error is not None:  # remote experts failed: see step_failure.py
+                failed = {o.request_id for o in outputs} | set(fail_unfinished_requests(engine))
+                logger.error("step failed, %d requests failed: %s", len(failed), error)
+                events.extend(RequestFailed(request_id, error) for request_id in sorted(failed))
+                outputs = []
+            for output in outputs:
                 events.append(output)
                 if output.finished and output.finish_reason != "abort":
                     exported = engine.export_kv(output.request_id)

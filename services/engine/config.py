@@ -51,11 +51,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching: per-round budget B_t = max_num_batched_tokens."""
+    """Continuous batching: per-round budget B_t = max_num_batched_tokens.
+
+    `async_scheduling` (execution overlap): the scheduler prepares round t+1 and the engine
+    processes round t-1's outputs while the model runs round t on a worker thread. It is not
+    combined with speculative decoding (drafts need the previous round's tokens); with
+    speculation on, rounds run one after another.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -67,20 +74,29 @@ class SchedulerConfig:
             )
 
 
-_SPEC_METHODS = ("none", "ngram")
+_SPEC_METHODS = ("none", "ngram", "draft")
 _SPEC_SCHEDULING = ("fixed", "confidence")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: who drafts, how many tokens at most, and how many to verify
-    (`fixed`: every draft up to k; `confidence`: DSpark's expected-throughput rule)."""
+    (`fixed`: every draft up to k; `confidence`: DSpark's expected-throughput rule).
+
+    `ngram` drafts by prompt lookup; `draft` runs `draft_model` (a GGUF file or HF directory with
+    the target's vocabulary), optionally cut to its first `draft_num_layers` layers (a
+    self-speculative draft of the target itself), in `draft_dtype` (None: the target's), with its
+    own KV cache of `draft_kv_memory_gib`."""
 
     method: str = "none"
     num_speculative_tokens: int = 4
     scheduling: str = "confidence"
     ngram_min_n: int = 2
     ngram_max_n: int = 4
+    draft_model: str | None = None
+    draft_dtype: str | None = None
+    draft_num_layers: int | None = None
+    draft_kv_memory_gib: float = 0.5
 
     def __post_init__(self):
         if self.method not in _SPEC_METHODS:
@@ -91,6 +107,16 @@ class SpecConfig:
             raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ConfigError(f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("speculative method 'draft' needs draft_model (a GGUF file or HF directory)")
+        if self.method != "draft" and self.draft_model:
+            raise ConfigError(f"draft_model is only used with speculative method 'draft', not {self.method!r}")
+        if self.draft_dtype is not None and self.draft_dtype not in _DTYPES:
+            raise ConfigError(f"draft_dtype must be one of {_DTYPES}, got {self.draft_dtype!r}")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ConfigError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+        if self.draft_kv_memory_gib <= 0:
+            raise ConfigError(f"draft_kv_memory_gib must be > 0, got {self.draft_kv_memory_gib}")
 
     @property
     def enabled(self) -> bool:

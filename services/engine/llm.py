@@ -27,6 +27,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = True,
         seed: int = 0,
         speculative: SpecConfig | None = None,
         show_progress: bool = True,
@@ -34,7 +35,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model or default_model_path(), dtype, device, max_model_len, seed),
             cache=CacheConfig(block_size, num_blocks, kv_memory_gib, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
             spec=speculative or SpecConfig(),
         )
         self.engine = LLMEngine(config, show_progress=show_progress)

@@ -1,6 +1,10 @@
 """The engine loop: add requests, then `step()` = schedule, execute, update from output.
 
-Single-threaded: callers (the offline LLM, a worker's engine thread) drive `step()`.
+Callers (the offline LLM, a worker's engine thread) drive `step()` from one thread. With
+execution overlap (`SchedulerConfig.async_scheduling`, the default without speculation) the
+model runs on a runner thread: `step()` schedules round t+1 while round t runs, then processes
+round t's outputs (placeholders resolved, detokenization, stop checks) while t+1 runs. Only the
+runner thread touches the runner; only the caller's thread touches the scheduler.
 
 Disaggregated serving (called by a worker's engine thread between steps, see kv_transfer.py):
 a decode worker adds requests with `remote_prefill`, reads `take_remote_prefills()` after each
@@ -12,6 +16,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from moemesh.common.block_hash import HashExtra
 from moemesh.engine.config import EngineConfig
@@ -21,11 +29,12 @@ from moemesh.engine.kv_cache_manager import KVCacheManager
 from moemesh.engine.kv_transfer import ExportedKV, KVLayout, RemoteKV, cache_tensors, gather_kv, kv_layout, scatter_kv
 from moemesh.engine.loader import open_checkpoint
 from moemesh.engine.loader.build import build_model
-from moemesh.engine.model_runner import ModelRunner, measure_cache_budget
+from moemesh.engine.model_runner import ModelRunner, ModelRunnerOutput, measure_cache_budget
 from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import FinishReason, RemotePrefillParams, Request
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler import Scheduler
+from moemesh.engine.scheduler_output import SchedulerOutput
 from moemesh.engine.spec.confidence import CostTable
 from moemesh.engine.spec.decoder import SpecDecoder
 
@@ -50,7 +59,18 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config.model, self.budget)
         self.kv_layout: KVLayout = kv_layout(self.model, self.model_id)
-        self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table())
+        self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table(),
+                                config.model, self.model.cfg.vocab_size)  # fmt: skip
+        # execution overlap: one runner thread, at most two rounds in flight (one running, one queued)
+        self._overlap: ThreadPoolExecutor | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        if config.scheduler.async_scheduling:
+            if config.spec.enabled:
+                logger.info("speculative decoding is on: rounds run without execution overlap")
+            else:
+                self._overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moemesh-runner")
+        device = torch.device(config.model.device)
+        self._stream = torch.cuda.Stream(device) if self._overlap is not None and device.type == "cuda" else None
         eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.cfg.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -141,7 +161,8 @@ class LLMEngine:
         return [self._output(r, []) for r in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0
+        """Requests not finished, or a round still in flight (its outputs are not processed)."""
+        return self.scheduler.num_unfinished_requests > 0 or bool(self._in_flight)
 
     # -- disaggregated prefill -------------------------------------------------------------
     def take_remote_prefills(self) -> list[Request]:
@@ -189,15 +210,58 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One round: schedule, run the model, process its outputs. With overlap, schedule round
+        t+1 and hand it to the runner thread, then process round t (which ran meanwhile); the
+        first call only starts the pipeline and returns nothing."""
+        if self._overlap is not None:
+            return self._step_overlapped()
         if self.config.spec.enabled:
             self.spec.prepare(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
-        num_before = {rid: len(self.scheduler.requests[rid].output_token_ids)
-                      for rid in scheduler_output.num_scheduled_tokens}  # fmt: skip
+        return self._finish_round(scheduler_output, runner_output)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        in_flight = self._in_flight
+        submitted = False
+        if len(in_flight) < 2 and self.scheduler.has_schedulable_requests:
+            scheduler_output = self.scheduler.schedule()  # while the previous round runs
+            in_flight.append((scheduler_output, self._overlap.submit(self._run_round, scheduler_output)))
+            submitted = True
+        if not in_flight or (submitted and len(in_flight) == 1):
+            return []
+        scheduler_output, future = in_flight.popleft()
+        return self._finish_round(scheduler_output, future.result())
+
+    def _run_round(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """On the runner thread. On CUDA the round runs on the runner's own stream, after the
+        work the caller's thread queued on the default stream (e.g. KV written by a transfer)."""
+        if self._stream is None:
+            return self.runner.execute(scheduler_output)
+        self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            return self.runner.execute(scheduler_output)
+
+    def _finish_round(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        requests = self.scheduler.requests
+        num_before = {rid: len(requests[rid].output_token_ids)
+                      for rid in scheduler_output.num_scheduled_tokens if rid in requests}  # fmt: skip
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         self.spec.record(scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids)
         return self._process_outputs(updated, runner_output.logprobs, num_before)
+
+    @property
+    def has_steppable_work(self) -> bool:
+        """Something for `step()` to do: a schedulable request or a round in flight."""
+        return self.scheduler.has_schedulable_requests or bool(self._in_flight)
+
+    def shutdown(self) -> None:
+        """Finish the round in flight and stop the runner thread (overlap only)."""
+        if self._overlap is not None:
+            for _, future in self._in_flight:
+                future.result()
+            self._in_flight.clear()
+            self._overlap.shutdown()
 
     def _process_outputs(self, updated: list[Request], logprobs: dict, num_before: dict[str, int]) -> list[RequestOutput]:
         outputs, stopped, new_tokens = [], [], {}

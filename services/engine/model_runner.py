@@ -66,8 +66,7 @@ class ModelRunner:
         for request_id in out.finished_req_ids:
             self.requests.pop(request_id, None)
         for new in out.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            generator = self._request_generator(new.sampling_params, new.num_output_tokens)
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.sampling_params, list(new.block_ids),
                 new.num_computed_tokens, generator,
@@ -76,6 +75,18 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _request_generator(self, params: SamplingParams, num_sampled: int) -> torch.Generator | None:
+        """A seeded request's generator, fast-forwarded past the draws of the `num_sampled`
+        tokens it already has (each sampled token draws one Exp(1) per vocabulary entry), so a
+        request resumed after preemption, or decoding after a remote prefill, continues the
+        stream of the seed instead of restarting it."""
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if num_sampled and not params.greedy:
+            torch.empty(num_sampled, self.model.cfg.vocab_size, device=self.device).exponential_(generator=generator)
+        return generator
 
     # -- one round -------------------------------------------------------------------------
     @torch.inference_mode()

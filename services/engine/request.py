@@ -66,6 +66,7 @@ class Request:
     kv_export_start: int | None = None  # prefill worker: keep blocks at finish to export KV from this token
     num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next round
+    num_output_placeholders: int = 0  # overlap: tokens a scheduled round will sample, not known yet
 
     @property
     def all_token_ids(self) -> list[int]:

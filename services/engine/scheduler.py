@@ -2,7 +2,11 @@
 
 Each round picks S_t with sum(q_i) <= B_t: running requests first (their decode token, or the
 next chunk of an unfinished prefill), then waiting requests FCFS while the budget, max_num_seqs
-and free blocks allow. A running request that cannot get a block preempts the most recently
+and free blocks allow. Scheduling a request advances its `num_computed_tokens` at once; a round
+that reaches the end of a request's tokens adds an output placeholder, resolved by
+`update_from_output`. With execution overlap the next round is scheduled before that: it
+decodes at the placeholder's position (the runner, which runs rounds in order, knows the token
+by then), so a request holds at most two placeholders. A running request that cannot get a block preempts the most recently
 admitted running request (recompute: its blocks are freed, it returns to the head of the queue).
 
 Disaggregated hooks (the worker's engine thread calls them between steps):
@@ -114,8 +118,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
-            if num_new == 0:  # nothing to compute (cannot happen for a running request)
+            num_known = request.num_tokens + request.num_output_placeholders
+            num_new = min(num_known + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            if num_new == 0 or self._ends_in_flight(request):  # nothing to compute / the pending token ends it
                 i += 1
                 continue
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
@@ -126,8 +131,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            num_spec = num_new - (num_known - request.num_computed_tokens)
             self._schedule(out, request, num_new, new_blocks)
-            num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
             del request.spec_token_ids[max(num_spec, 0) :]  # the budget may cut the drafts short
             if request.spec_token_ids:
                 out.scheduled_spec_token_ids[request.request_id] = list(request.spec_token_ids)
@@ -190,15 +195,31 @@ class Scheduler:
                     request.sampling_params,
                     self.kv.get_block_ids(request_id),
                     request.num_computed_tokens,
+                    request.num_output_tokens,
                 )
             )
             self._sent_to_runner.add(request_id)
         out.num_scheduled_tokens[request_id] = num_new
         out.total_num_scheduled_tokens += num_new
+        # The round computes these tokens; if it reaches the end of the known ones (and the
+        # drafts), it samples a token that is a placeholder until `update_from_output`.
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Overlap: the token a round in flight samples will end the request (max_tokens or the
+        context), so a next round for it would be wasted."""
+        n = request.num_output_placeholders
+        return n > 0 and (
+            request.num_output_tokens + n >= request.sampling_params.max_tokens
+            or request.num_tokens + n >= self.max_model_len
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.spec_token_ids = []
+        request.num_output_placeholders = 0  # a round in flight for it is discarded
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -209,11 +230,14 @@ class Scheduler:
 
     # -- after the model ran -----------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens (with speculation: the accepted drafts
-        and one more), and finish requests that hit EOS, a stop token, max_tokens or the context
-        length. Returns the requests that got tokens."""
+        """Resolve the round's placeholders: append sampled tokens (with speculation: the
+        accepted drafts and one more), roll back the rejected drafts' computed tokens, and finish
+        requests that hit EOS, a stop token, max_tokens or the context length. Requests that
+        finished or were preempted since the round was scheduled are skipped (with overlap, a
+        round may have computed one token too many for them). Returns the requests that got
+        tokens."""
         updated = []
-        for request_id, num_new in out.num_scheduled_tokens.items():
+        for request_id in out.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
@@ -221,11 +245,10 @@ class Scheduler:
             num_spec = len(out.scheduled_spec_token_ids.get(request_id, ()))
             request.spec_token_ids = []
             if token_ids is None:  # a prefill chunk that did not reach the end
-                request.num_computed_tokens += num_new
                 continue
+            request.num_output_placeholders -= 1
             # KV is valid for the last token and the accepted drafts; rejected slots get rewritten.
-            num_rejected = num_spec - (len(token_ids) - 1)
-            request.num_computed_tokens += num_new - num_rejected
+            request.num_computed_tokens -= num_spec - (len(token_ids) - 1)
             updated.append(request)
             for token_id in token_ids:
                 request.output_token_ids.append(token_id)

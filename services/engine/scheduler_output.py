@@ -19,6 +19,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit
+    num_output_tokens: int = 0  # of token_ids, already sampled (resumed, or first token from a prefill worker)
 
 
 @dataclass(frozen=True)

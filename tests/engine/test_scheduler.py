@@ -7,9 +7,8 @@ def run_round(scheduler, sampled_token=7):
     """Schedule one round and pretend the model sampled `sampled_token` where due."""
     out = scheduler.schedule()
     sampled = {}
-    for request_id, n in out.num_scheduled_tokens.items():
-        request = scheduler.requests[request_id]
-        if request.num_computed_tokens + n == request.num_tokens:
+    for request_id in out.num_scheduled_tokens:
+        if scheduler.requests[request_id].num_output_placeholders:  # the round reached its end
             sampled[request_id] = sampled_token
     scheduler.update_from_output(out, {r: [t] for r, t in sampled.items()})
     return out

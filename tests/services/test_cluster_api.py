@@ -60,7 +60,8 @@ def model(client):
 
 
 def offline(offline_llm, prompt, max_tokens: int, **params):
-    (output,) = offline_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
+    params = {"temperature": 0.0, **params}
+    (output,) = offline_llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **params))
     return output
 
 
@@ -151,6 +152,21 @@ def test_disaggregated_equals_aggregated_equals_offline_on_8_prompts(cluster, of
         assert disaggregated == aggregated == expected.token_ids
 
 
+def test_seeded_sampling_is_the_same_disaggregated_aggregated_and_offline(cluster, offline_llm, tokenizer):
+    """The prefill worker samples the first token from the seed; the decode worker continues
+    the seed's stream (its generator is fast-forwarded past that draw)."""
+    decode_a, decode_b = decode_workers(cluster)
+    prefill = cluster.services["prefill-0"]
+    for i in range(3):
+        prompt = tokenizer.encode(f"Seeded request {i}: tell me a story about a dragon and a knight.")
+        expected = offline(offline_llm, prompt, 12, temperature=1.0, seed=40 + i)
+        sampling = {"temperature": 1.0, "seed": 40 + i}
+        disaggregated, remote = call_decode(decode_a, prompt, prefill.grpc_endpoint, f"seeded-d{i}", **sampling)
+        aggregated, _ = call_decode(decode_b, prompt, "", f"seeded-a{i}", **sampling)
+        assert remote == len(prompt)
+        assert disaggregated == aggregated == expected.token_ids
+
+
 def test_a_failed_kv_transfer_falls_back_to_a_local_prefill_with_the_same_output(cluster, offline_llm, tokenizer):
     decode = decode_workers(cluster)[0]
     prompt = tokenizer.encode("Nobody listens on the prefill endpoint of this request, so it prefills locally.")
@@ -160,10 +176,11 @@ def test_a_failed_kv_transfer_falls_back_to_a_local_prefill_with_the_same_output
     wait_until(lambda: load(decode).num_blocks_used == 0, message="the blocks freed")
 
 
-def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: str) -> tuple[list[int], int]:
+def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: str, **sampling) -> tuple[list[int], int]:
+    sampling = {"temperature": 0.0, "max_tokens": 12, **sampling}
     request = decode_pb2.WorkerGenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, prefill_endpoint=prefill_endpoint,
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=12),
+        sampling=common_pb2.SamplingParams(**sampling),
     )  # fmt: skip
     token_ids, remote = [], None
     with grpc.insecure_channel(worker.grpc_endpoint) as channel:

@@ -2,14 +2,16 @@
 and decide how many of them the round verifies; after it, count what was accepted.
 
 Called by `LLMEngine.step()`: `prepare(running)` before `Scheduler.schedule()`, `record(...)`
-after `Scheduler.update_from_output()`.
+after `Scheduler.update_from_output()`. A stateful proposer (the draft model's KV cache) keeps
+state only for the requests of its latest `propose` call, so requests that finished or were
+preempted are freed at the next `prepare`, which always calls it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moemesh.engine.config import SpecConfig
+from moemesh.engine.config import ModelConfig, SpecConfig
 from moemesh.engine.request import Request
 from moemesh.engine.spec.confidence import CostTable, schedule_draft_lengths
 from moemesh.engine.spec.ngram import NgramProposer
@@ -40,13 +42,27 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, max_model_len: int, cost: CostTable | None):
+    def __init__(
+        self,
+        config: SpecConfig,
+        max_model_len: int,
+        cost: CostTable | None,
+        target: ModelConfig | None = None,
+        target_vocab_size: int | None = None,
+    ):
+        """`target` / `target_vocab_size`: the target model's config and vocabulary, needed by
+        the draft-model proposer (same device, same vocabulary)."""
         self.config = config
         self.max_model_len = max_model_len
         self.cost = cost
         self.proposer: Proposer = NullProposer()
         if config.method == "ngram":
             self.proposer = NgramProposer(config.ngram_min_n, config.ngram_max_n)
+        elif config.method == "draft":
+            from moemesh.engine.spec.draft_model import load_draft_proposer
+
+            assert target is not None and target_vocab_size is not None, "a draft model needs the target's config"
+            self.proposer = load_draft_proposer(config, target, target_vocab_size)
         self.stats = SpecStats()
 
     def prepare(self, running: list[Request]) -> None:
@@ -61,11 +77,11 @@ class SpecDecoder:
             decoding = request.num_computed_tokens == request.num_tokens - 1
             if decoding and room > 0 and request.sampling_params.logprobs is None:
                 candidates[request.request_id] = (request, room)
-        if not candidates:
-            return
-        proposals = self.proposer.propose(
+        proposals = self.proposer.propose(  # also with no candidates: stateful proposers free the rest
             {rid: r.all_token_ids for rid, (r, _) in candidates.items()}, self.config.num_speculative_tokens
         )
+        if not proposals:
+            return
         proposals = {rid: p.truncated(candidates[rid][1]) for rid, p in proposals.items()}
         if self.config.scheduling == "confidence" and self.cost is not None:
             confidences = {rid: p.confidences for rid, p in proposals.items()}

@@ -28,7 +28,8 @@ class DraftProposal:
 class Proposer(Protocol):
     def propose(self, token_ids: dict[str, list[int]], max_num_tokens: int) -> dict[str, DraftProposal]:
         """Drafts for each request id given all its tokens so far (prompt + output). Requests
-        without a useful draft may be absent from the result."""
+        without a useful draft may be absent from the result. A proposer with per-request state
+        (the draft model's KV cache) keeps it only for the ids of its latest call."""
         ...
 
 
