@@ -39,6 +39,24 @@ async def watch_parent(parent_pid: int | None, stop, interval_s: float = 1.0) ->
     stop.set()
 
 
+def serve_until_signalled(serve, parent_pid: int | None) -> int:
+    """Run `serve(stop)` (a coroutine function taking an asyncio.Event) until SIGTERM / SIGINT,
+    or until the launcher `parent_pid` is gone; a worker process's main loop. Returns 0."""
+    import asyncio
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watchdog = asyncio.create_task(watch_parent(parent_pid, stop))
+        await serve(stop)
+        watchdog.cancel()
+
+    asyncio.run(run())
+    return 0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -381,10 +399,32 @@ def add_up_arguments(parser) -> None:
     parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
     parser.add_argument("--experts", type=int, default=0,
                         help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)")
+    from moemesh.common.settings import add_speculation_arguments
+
+    add_speculation_arguments(parser)  # handed to the decode workers
+
+
+def _speculation_args(args) -> tuple[str, ...]:
+    """The `--speculative-*` flags for the workers, checked here first (SettingsError)."""
+    from moemesh.common.settings import speculation_settings
+
+    spec = speculation_settings(args)
+    if spec.method == "none":
+        return ()
+    flags = ("--speculative-method", spec.method, "--num-speculative-tokens", str(spec.num_speculative_tokens),
+             "--speculative-scheduling", spec.scheduling)  # fmt: skip
+    return flags + (("--draft-model", spec.draft_model) if spec.draft_model else ())
 
 
 def run_up(args) -> int:
+    from moemesh.common.settings import SettingsError
+
     worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
+    try:
+        worker_args += _speculation_args(args)
+    except SettingsError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
     spec = ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,

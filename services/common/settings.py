@@ -149,6 +149,12 @@ class WorkerSettings:
         _check(bool(self.worker_id) and ":" not in self.worker_id, f"bad worker id {self.worker_id!r}")
         _check(0 < self.kv_chunk_bytes <= 3 << 20, f"kv_chunk_bytes must be in (0, 3 MiB], got {self.kv_chunk_bytes}")
         _check(self.min_remote_prefill_tokens >= 1, "min_remote_prefill_tokens must be >= 1")
+        spec = self.engine.speculation
+        _check(
+            not (self.expert.remote and spec.method != "none" and spec.scheduling == "confidence"),
+            "--speculative-scheduling confidence is not available with remote experts (its cost table is "
+            "measured before the remote executor is installed); use --speculative-scheduling fixed",
+        )
 
     @property
     def endpoint(self) -> str:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 
 import redis
 from prometheus_client import start_http_server
 
 from moemesh.common import redis_client, registry, telemetry
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
-from moemesh.common.local_cluster import watch_parent
+from moemesh.common.local_cluster import serve_until_signalled
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.prefix_publisher import PrefixIndexPublisher
@@ -35,14 +34,15 @@ from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_p
 logger = logging.getLogger(__name__)
 
 
-def engine_config(settings: EngineSettings):
-    """The worker engine's EngineConfig (raises ConfigError for values the engine rejects)."""
+def engine_config(settings: EngineSettings, remote_experts: bool = False):
+    """The worker engine's EngineConfig (raises ConfigError for values the engine rejects).
+    With `remote_experts` the routed experts' weights are not loaded (expert workers hold them)."""
     from moemesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from moemesh.engine.loader import default_model_path
 
     return EngineConfig(
         model=ModelConfig(settings.model or default_model_path(), settings.dtype, settings.device,
-                          settings.max_model_len, settings.seed),  # fmt: skip
+                          settings.max_model_len, settings.seed, load_routed_experts=not remote_experts),  # fmt: skip
         cache=CacheConfig(settings.block_size, settings.num_blocks, settings.kv_memory_gib),
         scheduler=SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens,
                                   async_scheduling=settings.async_scheduling),
@@ -50,10 +50,10 @@ def engine_config(settings: EngineSettings):
     )
 
 
-def build_engine(settings: EngineSettings):
+def build_engine(settings: EngineSettings, remote_experts: bool = False):
     from moemesh.engine.llm_engine import LLMEngine
 
-    return LLMEngine(engine_config(settings), show_progress=False)
+    return LLMEngine(engine_config(settings, remote_experts), show_progress=False)
 
 
 class Worker:
@@ -70,7 +70,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        self.engine = AsyncEngine(lambda: build_engine(s.engine), loop, s.engine.num_threads, self._on_kv_events)
+        self.engine = AsyncEngine(lambda: build_engine(s.engine, s.expert.remote), loop, s.engine.num_threads, self._on_kv_events)
         model_name = os.path.basename(s.engine.model or "SmolLM2-135M-Instruct")
         self.metrics = WorkerMetrics(model_name, s.worker_id, lambda: self.engine.stats)
         names = []
@@ -202,14 +202,4 @@ def main(settings: WorkerSettings) -> int:
     """Run a worker until SIGTERM / SIGINT; returns the exit status."""
     telemetry.setup_tracing(f"moemesh-{settings.role}", settings.mesh.trace_file)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        watchdog = asyncio.create_task(watch_parent(settings.mesh.parent_pid, stop))
-        await Worker(settings).run(stop)
-        watchdog.cancel()
-
-    asyncio.run(run())
-    return 0
+    return serve_until_signalled(Worker(settings).run, settings.mesh.parent_pid)

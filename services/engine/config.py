@@ -22,6 +22,7 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     seed: int = 0
+    load_routed_experts: bool = True  # False: MoE experts run elsewhere (remote executor), skip their weights
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:

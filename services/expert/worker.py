@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 
 import redis
@@ -29,7 +28,7 @@ import torch
 from moemesh.common import redis_client, redis_keys, registry, telemetry
 from moemesh.common.expert_load import DEFAULT_TTL_S, publish_expert_load
 from moemesh.common.grpc_util import HealthReporter, create_server
-from moemesh.common.local_cluster import watch_parent
+from moemesh.common.local_cluster import serve_until_signalled
 from moemesh.common.placement import PlacementError, PlacementStore
 from moemesh.common.settings import WorkerSettings
 from moemesh.engine.errors import ModelLoadError
@@ -203,14 +202,4 @@ def main(settings: WorkerSettings) -> int:
     if settings.engine.num_threads:
         torch.set_num_threads(settings.engine.num_threads)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        watchdog = asyncio.create_task(watch_parent(settings.mesh.parent_pid, stop))
-        await ExpertWorker(settings, checkpoint, shape).run(stop)
-        watchdog.cancel()
-
-    asyncio.run(run())
-    return 0
+    return serve_until_signalled(ExpertWorker(settings, checkpoint, shape).run, settings.mesh.parent_pid)

@@ -65,3 +65,19 @@ def test_moemesh_up_serves_and_ctrl_c_stops_everything(tmp_path):
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def test_up_checks_speculation_flags_before_starting_anything_and_hands_them_to_workers():
+    from moemesh.cli import build_parser
+    from moemesh.common.local_cluster import _speculation_args
+
+    bad = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--speculative-method", "draft"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--speculative-method draft needs --draft-model" in bad.stderr
+    assert _speculation_args(build_parser().parse_args(["up"])) == ()
+    args = build_parser().parse_args(["up", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+    flags = _speculation_args(args)
+    assert flags == ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--speculative-scheduling",
+                     "confidence")  # fmt: skip
+    worker = build_parser().parse_args(["serve", "--role", "decode", *flags])  # the workers accept them
+    assert worker.speculative_method == "ngram" and worker.num_speculative_tokens == 3

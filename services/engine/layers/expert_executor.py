@@ -168,6 +168,9 @@ class LocalExpertExecutor(ExpertExecutor):
 
     def _weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         experts = self.experts[layer]
+        if experts.w13.shape[0] == 0:
+            raise RuntimeError("this model was loaded without its routed expert weights "
+                               "(load_routed_experts=False): install a remote ExpertExecutor first")  # fmt: skip
         if self.placement.is_identity:
             return experts.w13, experts.w2
         key = (experts.w13.data_ptr(), experts.w2.data_ptr(), experts.w13.dtype, experts.w13.device)

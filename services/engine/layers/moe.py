@@ -90,6 +90,11 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
+    def drop_weights(self) -> None:
+        """Hold no expert (zero rows): a worker whose routed experts run on expert workers."""
+        self.w13 = nn.Parameter(self.w13.new_empty(0, *self.w13.shape[1:]), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0, *self.w2.shape[1:]), requires_grad=False)
+
 
 @dataclass
 class MoERuntime:

@@ -31,6 +31,11 @@ from moemesh.engine.models.config import TransformerConfig
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def is_routed_expert_weight(name: str) -> bool:
+    """A checkpoint tensor of the routed experts (per-expert or fused), not shared experts."""
+    return bool(_PER_EXPERT.match(name) or _FUSED_EXPERTS.match(name))
 _EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                  "down_proj": ("w2", None), "w2": ("w2", None)}  # fmt: skip
 
@@ -150,7 +155,7 @@ class MoEForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint lacks {len(need - parts)} expert slice(s) of {target}, e.g. "
                                  f"expert {sorted(need - parts, key=str)[0][0]}")  # fmt: skip
             loaded.add(target)
-        unloaded = set(params) - loaded
+        unloaded = {name for name in set(params) - loaded if params[name].numel()}  # dropped experts: empty
         if unloaded:
             raise ValueError(f"checkpoint lacks weights for: {sorted(unloaded)[:8]}")
 

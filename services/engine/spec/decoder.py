@@ -9,6 +9,7 @@ preempted are freed at the next `prepare`, which always calls it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from moemesh.engine.config import ModelConfig, SpecConfig
@@ -77,16 +78,19 @@ class SpecDecoder:
             decoding = request.num_computed_tokens == request.num_tokens - 1
             if decoding and room > 0 and request.sampling_params.logprobs is None:
                 candidates[request.request_id] = (request, room)
+        start = time.perf_counter()
         proposals = self.proposer.propose(  # also with no candidates: stateful proposers free the rest
             {rid: r.all_token_ids for rid, (r, _) in candidates.items()}, self.config.num_speculative_tokens
         )
+        draft_seconds = time.perf_counter() - start  # part of the round's time, whatever is verified
         if not proposals:
             return
         proposals = {rid: p.truncated(candidates[rid][1]) for rid, p in proposals.items()}
         if self.config.scheduling == "confidence" and self.cost is not None:
             confidences = {rid: p.confidences for rid, p in proposals.items()}
             confidences.update({rid: [] for rid in candidates if rid not in proposals})
-            lengths = schedule_draft_lengths(confidences, self.cost, num_other_tokens=len(running) - len(candidates))
+            lengths = schedule_draft_lengths(confidences, self.cost, num_other_tokens=len(running) - len(candidates),
+                                             draft_seconds=draft_seconds)  # fmt: skip
         else:
             lengths = {rid: len(p.token_ids) for rid, p in proposals.items()}
         for rid, proposal in proposals.items():

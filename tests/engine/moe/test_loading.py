@@ -3,6 +3,7 @@ fused 3-D expert tensors (transformers' in-memory layout), skipped MTP layers, c
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import re
 
@@ -72,3 +73,38 @@ def test_deepseek_v3_skips_multi_token_prediction_layers_but_not_unknown_weights
     _rewrite(str(tmp_path), lambda ts: ts | {"model.layers.1.mlp.gate.extra": torch.zeros(1)})
     with pytest.raises(ModelLoadError, match="unexpected weight 'model.layers.1.mlp.gate.extra'"):
         LLM(str(tmp_path), num_blocks=8, show_progress=False)
+
+
+def test_a_model_for_remote_experts_neither_reads_nor_allocates_routed_expert_weights(tmp_path):
+    """load_routed_experts=False: attention, gates and shared experts equal the full load; the
+    routed experts hold zero rows, and running them locally is a clear error."""
+    from moemesh.engine.config import ModelConfig
+    from moemesh.engine.loader import open_checkpoint
+    from moemesh.engine.loader.build import build_model
+
+    save_tiny(build_deepseek_v3, str(tmp_path))  # has shared experts
+    checkpoint = open_checkpoint(str(tmp_path))
+    read = []
+
+    def recording(select=None, _iter=checkpoint.iter_weights):
+        for name, tensor in _iter(select):
+            read.append(name)
+            yield name, tensor
+
+    checkpoint = dataclasses.replace(checkpoint, iter_weights=recording)
+    full = build_model(checkpoint, "float32", "cpu", show_progress=False)
+    num_read_full = len(read)
+    read.clear()
+    lean = build_model(checkpoint, "float32", "cpu", show_progress=False, load_routed_experts=False)
+    assert 0 < len(read) < num_read_full and not any(".experts." in name and "shared" not in name for name in read)
+    full_params, lean_params = dict(full.named_parameters()), dict(lean.named_parameters())
+    for name, param in full_params.items():
+        if name.endswith((".experts.w13", ".experts.w2")):
+            assert lean_params[name].shape[0] == 0
+        else:
+            assert torch.equal(param, lean_params[name]), name
+    assert sum(p.numel() for p in lean.parameters()) < sum(p.numel() for p in full.parameters()) / 2
+    assert ModelConfig("m").load_routed_experts  # the default loads them
+    with pytest.raises(RuntimeError, match="without its routed expert weights"):
+        layer = lean.moe_layers()[0]
+        layer(torch.randn(3, layer.gate.weight.shape[1]))

@@ -34,3 +34,11 @@ def test_a_cost_jump_after_one_token_does_not_stall_admission():
     cost = CostTable((1, 2, 8), (0.040, 0.075, 0.075))
     assert schedule_draft_lengths({"a": [0.5, 0.9, 0.9, 0.9]}, cost) == {"a": 4}
     assert schedule_draft_lengths({"a": [0.5]}, cost) == {"a": 0}
+
+
+def test_drafting_time_counts_in_every_set_so_longer_verification_pays_sooner():
+    # verify-only: 1 token 1.0 s, 2 tokens 2.0 s -> E/t: 1/1 = 1.0 vs 1.6/2 = 0.8, nothing admitted.
+    cost = CostTable((1, 2), (1.0, 2.0))
+    assert schedule_draft_lengths({"a": [0.6]}, cost) == {"a": 0}
+    # with 3 s of drafting already spent: 1/4 = 0.25 vs 1.6/5 = 0.32, the draft is worth verifying
+    assert schedule_draft_lengths({"a": [0.6]}, cost, draft_seconds=3.0) == {"a": 1}

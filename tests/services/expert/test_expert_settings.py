@@ -53,3 +53,11 @@ def test_placement_apply_of_a_missing_file_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(tmp_path / "none.json")],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "cannot use placement" in result.stderr
+
+
+def test_confidence_scheduled_speculation_with_remote_experts_is_rejected_naming_the_fix():
+    argv = ["serve", "--role", "decode", "--remote-experts", "--speculative-method", "ngram"]
+    with pytest.raises(SettingsError, match="use --speculative-scheduling fixed"):
+        worker_settings(build_parser().parse_args(argv), env={})
+    fixed = worker_settings(build_parser().parse_args(argv + ["--speculative-scheduling", "fixed"]), env={})
+    assert fixed.expert.remote and fixed.engine.speculation.scheduling == "fixed"
