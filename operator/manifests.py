@@ -92,6 +92,8 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
         "services": {role: f"{name}-{role}.{namespace}.svc:{GRPC_PORT}" for role in ("router", "prefill", "decode", "expert")},
         "expert_worker_ids": expert_worker_ids(name, spec.roles["expert"].replicas),
     }
+    if spec.otlp_endpoint:
+        settings["otlp_endpoint"] = spec.otlp_endpoint
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -72,6 +72,7 @@ class MeshSpec:
     autoscaling: AutoscalingSpec
     eplb: EplbSpec
     redis: RedisSpec
+    otlp_endpoint: str | None = None  # spec.telemetry.otlpEndpoint: where every service exports traces
 
     def policy_for(self, role: str) -> ScalingPolicy:
         role_spec = self.roles[role]
@@ -129,6 +130,13 @@ def _section(spec: dict[str, Any], key: str, path: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise SpecError(f"{path}.{key} must be an object, got {type(value).__name__}")
     return value
+
+
+def _otlp_endpoint(telemetry: dict[str, Any]) -> str | None:
+    value = telemetry.get("otlpEndpoint")
+    if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):
+        raise SpecError(f"spec.telemetry.otlpEndpoint must be a host:port or URL, got {value!r}")
+    return value or None
 
 
 DEFAULT_REPLICAS = {"router": 1, "prefill": 1, "decode": 1, "expert": 0}
@@ -227,6 +235,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
             password_secret_name=secret.get("name") or None,
             password_secret_key=str(secret.get("key", "redis-password")),
         ),
+        otlp_endpoint=_otlp_endpoint(_section(spec, "telemetry", "spec")),
     )
     try:
         mesh.expert_layout

@@ -54,3 +54,24 @@ def test_generate_passes_the_speculation_flags_to_the_engine(monkeypatch, capsys
     assert cli.main(["generate", "hi", *flags]) == 0
     assert seen["speculative"] == SpecConfig(method="ngram", num_speculative_tokens=3, scheduling="fixed")
     assert capsys.readouterr().out.strip() == "done"
+
+
+def test_the_otlp_endpoint_comes_from_the_flag_else_the_mesh_config_else_the_standard_variable(tmp_path):
+    import json
+
+    from moemesh.cli import build_parser
+    from moemesh.common.settings import router_settings, worker_settings
+
+    config = tmp_path / "mesh.json"
+    config.write_text(json.dumps({"otlp_endpoint": "collector:4317"}))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://env-collector:4317"}
+
+    def endpoint(*flags, env=env, build=worker_settings, role="decode"):
+        args = build_parser().parse_args(["serve", "--role", role, *flags])
+        return build(args, env=env).mesh.otlp_endpoint
+
+    assert endpoint() == "http://env-collector:4317"
+    assert endpoint(env={}) is None
+    assert endpoint("--config", str(config)) == "collector:4317"
+    assert endpoint("--config", str(config), "--otlp-endpoint", "flag:4317") == "flag:4317"
+    assert endpoint("--otlp-endpoint", "flag:4317", build=router_settings, role="router") == "flag:4317"

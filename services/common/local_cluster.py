@@ -130,6 +130,7 @@ class ClusterSpec:
     heartbeat_ttl_s: float = 15.0
     log_dir: str | None = None  # None: inherit stdout/stderr
     trace_dir: str | None = None  # spans as JSON lines per service
+    otlp_endpoint: str | None = None  # every service exports spans over OTLP/gRPC here
     start_timeout_s: float = 300.0
 
 
@@ -302,6 +303,8 @@ class LocalCluster:
             args += ["--model", spec.model]
         if spec.trace_dir:
             args += ["--trace-file", os.path.join(spec.trace_dir, f"{name}.jsonl")]
+        if spec.otlp_endpoint:
+            args += ["--otlp-endpoint", spec.otlp_endpoint]
         return args
 
     def _launch(self, service: Service) -> None:
@@ -397,6 +400,7 @@ def add_up_arguments(parser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
     parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
+    parser.add_argument("--otlp-endpoint", default=None, help="every service exports traces over OTLP/gRPC here")
     parser.add_argument("--experts", type=int, default=0,
                         help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)")
     from moemesh.common.settings import add_speculation_arguments
@@ -429,6 +433,7 @@ def run_up(args) -> int:
         num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
         model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
+        otlp_endpoint=args.otlp_endpoint,
         num_experts=args.experts,
     )  # fmt: skip
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:

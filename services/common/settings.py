@@ -4,7 +4,7 @@ line and the environment. Nothing else in the services reads the environment.
 Precedence: command-line flag > mesh config file (`--config`, the operator's ConfigMap
 `mesh.json`: mesh, model {name, source}, redis_url, ports {grpc, http, metrics}) > default.
 Environment (Kubernetes downward API / Secret): POD_NAME (worker id), POD_IP (advertised host),
-MOEMESH_REDIS_PASSWORD.
+MOEMESH_REDIS_PASSWORD, OTEL_EXPORTER_OTLP_ENDPOINT (the OTLP collector, if no flag names one).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class MeshSettings:
     redis_password: str | None = None
     heartbeat_ttl_s: float = 15.0  # registry + prefix-index TTL; heartbeats every ttl / 3
     trace_file: str | None = None  # append finished spans as JSON lines (None: no export)
+    otlp_endpoint: str | None = None  # export spans over OTLP/gRPC to this collector (host:port)
     parent_pid: int | None = None  # stop when this process (a launcher) is gone
 
     def __post_init__(self):
@@ -217,6 +218,7 @@ def mesh_settings(args, config: dict, env: Mapping[str, str]) -> MeshSettings:
         redis_password=env.get("MOEMESH_REDIS_PASSWORD") or None,
         heartbeat_ttl_s=_pick(args.heartbeat_ttl, None, MeshSettings.heartbeat_ttl_s),
         trace_file=args.trace_file,
+        otlp_endpoint=_pick(args.otlp_endpoint, config.get("otlp_endpoint"), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
         parent_pid=args.parent_pid,
     )
 
@@ -306,6 +308,8 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--heartbeat-ttl", type=float, default=None, help="registry TTL in seconds (default 15)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSON lines here")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="export spans over OTLP/gRPC to this collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
     parser.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits (launchers)")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=None, help="bind address (default 0.0.0.0)")

@@ -1,6 +1,7 @@
 """OpenTelemetry tracing for the services: one tracer provider per process, W3C trace context
-carried in gRPC metadata (router -> decode -> prefill), spans exported as JSON lines to a file
-when configured (a do-nothing exporter otherwise; an OTLP exporter can be added the same way).
+carried in gRPC metadata (router -> decode -> prefill), spans exported over OTLP/gRPC to a
+collector (Jaeger, Tempo, an OpenTelemetry Collector) and/or as JSON lines to a file, when
+configured; nothing is exported otherwise.
 
 Callers: each service's `main()` calls `setup_tracing` once; clients call `inject_metadata(ctx)`
 to get the metadata of an outgoing call; servicers call `extract_context(context)` and start
@@ -18,9 +19,10 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 _provider_lock = threading.Lock()
+OTLP_EXPORT_DELAY_MS = 500
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -55,12 +57,18 @@ def _span_record(span: ReadableSpan) -> dict:
     }
 
 
-def setup_tracing(service_name: str, trace_file: str | None) -> TracerProvider:
-    """Install the process's tracer provider (idempotent per process)."""
+def setup_tracing(service_name: str, trace_file: str | None, otlp_endpoint: str | None = None) -> TracerProvider:
+    """Install the process's tracer provider (idempotent per process). OTLP spans go out in
+    batches (every `OTLP_EXPORT_DELAY_MS`, and at exit)."""
     with _provider_lock:
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         if trace_file:
             provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
+        if otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=not otlp_endpoint.startswith("https://"))
+            provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=OTLP_EXPORT_DELAY_MS))
         trace.set_tracer_provider(provider)
         return provider
 

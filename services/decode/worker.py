@@ -200,6 +200,6 @@ async def _first(*aws) -> None:
 
 def main(settings: WorkerSettings) -> int:
     """Run a worker until SIGTERM / SIGINT; returns the exit status."""
-    telemetry.setup_tracing(f"moemesh-{settings.role}", settings.mesh.trace_file)
+    telemetry.setup_tracing(f"moemesh-{settings.role}", settings.mesh.trace_file, settings.mesh.otlp_endpoint)
 
     return serve_until_signalled(Worker(settings).run, settings.mesh.parent_pid)

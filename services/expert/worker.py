@@ -196,7 +196,7 @@ class ExpertWorker:
 def main(settings: WorkerSettings) -> int:
     """Run an expert worker until SIGTERM / SIGINT; returns the exit status. A checkpoint that
     is missing or not a MoE model raises ModelLoadError (the CLI exits with status 2)."""
-    telemetry.setup_tracing("moemesh-expert", settings.mesh.trace_file)
+    telemetry.setup_tracing("moemesh-expert", settings.mesh.trace_file, settings.mesh.otlp_endpoint)
     checkpoint = open_checkpoint(settings.engine.model or default_model_path())
     shape = read_moe_shape(checkpoint)
     if settings.engine.num_threads:

@@ -118,6 +118,6 @@ async def _exit_when(event: asyncio.Event, server: uvicorn.Server) -> None:
 
 
 def main(settings: RouterSettings) -> int:
-    telemetry.setup_tracing("moemesh-router", settings.mesh.trace_file)
+    telemetry.setup_tracing("moemesh-router", settings.mesh.trace_file, settings.mesh.otlp_endpoint)
     asyncio.run(serve(settings))
     return 0

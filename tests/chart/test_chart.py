@@ -1,6 +1,7 @@
 """Helm chart: rendered with the real Helm SDK, linted, validated against Kubernetes 1.30 schemas."""
 
 import copy
+import json
 import pathlib
 
 import helm_python as helm
@@ -152,6 +153,23 @@ def test_external_redis_renders_no_redis_and_points_the_mesh_at_it(chart):
     assert env["MOEMESH_REDIS_URL"]["value"] == "redis://redis.shared.svc:6379/0"
 
 
+def test_an_otlp_endpoint_reaches_every_service_through_the_mesh_config(chart):
+    values = {"mesh": {"telemetry": {"otlpEndpoint": "otel-collector.monitoring.svc:4317"}}}
+    [mesh] = by_kind(render(chart, values), "InferenceMesh")
+    assert mesh["spec"]["telemetry"] == {"otlpEndpoint": "otel-collector.monitoring.svc:4317"}
+    spec = parse_spec(mesh["spec"], default_image="unused")
+    config = manifests.config_map(spec, "m", "ns", "uid", "redis://r:6379/0")
+    assert json.loads(config["data"]["mesh.json"])["otlp_endpoint"] == "otel-collector.monitoring.svc:4317"
+    [default] = by_kind(render(chart, {}), "InferenceMesh")  # empty by default: no telemetry section
+    assert "telemetry" not in default["spec"]
+    assert "otlp_endpoint" not in json.loads(manifests.config_map(
+        parse_spec(default["spec"], default_image="unused"), "m", "ns", "uid", "redis://r")["data"]["mesh.json"])
+    from moemesh.operator.spec import SpecError
+
+    with pytest.raises(SpecError, match="spec.telemetry.otlpEndpoint must be"):
+        parse_spec({**SAMPLE["spec"], "telemetry": {"otlpEndpoint": "two words"}}, default_image="unused")
+
+
 def test_no_default_mesh_renders_no_mesh_and_no_test_pod(chart):
     docs = render(chart, load_values("no-default-mesh"))
     assert by_kind(docs, "InferenceMesh") == [] and by_kind(docs, "Pod") == []
@@ -178,6 +196,7 @@ SAMPLE = {
         "autoscaling": {"enabled": True, "prefillDecodeRatio": {"min": 0.5, "max": 2}},
         "eplb": {"redundantSlots": 2, "imbalanceThreshold": 0.1},
         "redis": {"url": "redis://r:6379/0", "passwordSecretRef": {"name": "s"}},
+        "telemetry": {"otlpEndpoint": "otel-collector.monitoring.svc:4317"},
     },
 }
 
@@ -195,6 +214,7 @@ def test_crd_schema_accepts_a_full_sample(crd):
         (("spec", "redis", "url"), "http://r:6379"),
         (("spec", "model", "name"), ""),
         (("spec", "autoscaling", "maxStepUp"), 0),
+        (("spec", "telemetry", "otlpEndpoint"), "two words"),
     ],
 )
 def test_crd_schema_rejects_invalid_samples(crd, path, value):

@@ -16,6 +16,7 @@ from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.services.otlp_collector import OtlpCollector
 from tests.services.cluster_helpers import (
     ROUTER_ARGS,
     decode_workers,
@@ -42,9 +43,15 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server, tmp_path_factory):
+def collector():
+    with OtlpCollector() as collector:
+        yield collector
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory, collector):
     logs = tmp_path_factory.mktemp("cluster-api")
-    with test_cluster(redis_server.url, MESH, logs) as cluster:
+    with test_cluster(redis_server.url, MESH, logs, otlp_endpoint=collector.endpoint) as cluster:
         cluster.add_router("router-rr", "round_robin", ROUTER_ARGS)
         yield cluster
 
@@ -291,6 +298,26 @@ def test_traces_follow_a_request_from_router_to_decode_to_prefill(cluster):
     assert ("moemesh-router", "router.generate", "moemesh-decode", "decode.generate", "kv_transfer",
             "moemesh-prefill") in chains  # fmt: skip
     assert {"queue", "queue+prefill", "decode"} <= {s["name"] for s in spans if s["service"] == "moemesh-decode"}
+
+
+def test_every_service_exports_its_spans_over_otlp_to_a_collector(cluster, collector):
+    """The same spans reach a real OTLP/gRPC collector, with the trace linked across services."""
+
+    def linked_chain():
+        spans = collector.snapshot()
+        by_id = {s.span_id: s for s in spans}
+        for span in spans:
+            if span.name != "prefill":
+                continue
+            transfer = by_id.get(span.parent_id)
+            decode = by_id.get(transfer.parent_id) if transfer else None
+            router = by_id.get(decode.parent_id) if decode else None
+            if router and router.trace_id == decode.trace_id == span.trace_id:
+                return router.service, decode.service, transfer.name, span.service
+        return None
+
+    chain = wait_until(linked_chain, timeout_s=20, message="a linked router -> decode -> prefill trace over OTLP")
+    assert chain == ("moemesh-router", "moemesh-decode", "kv_transfer", "moemesh-prefill")
 
 
 def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(cluster, model):
