@@ -30,7 +30,7 @@ from moemesh.operator.kube import KubeApi, KubeError
 from moemesh.operator.rebalance import delete_placements, rebalance_step
 from moemesh.operator.scaling import scale_step
 from moemesh.operator.spec import MeshSpec, SpecError, parse_spec
-from moemesh.operator.status import set_condition
+from moemesh.operator.status import merge_owned, set_condition
 
 RESOURCE = (manifests.GROUP, manifests.VERSION, manifests.PLURAL)
 WORKLOAD_KIND = {"router": "Deployment", "prefill": "Deployment", "decode": "Deployment", "expert": "StatefulSet"}
@@ -114,7 +114,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             logger.error(f"invalid InferenceMesh spec: {exc}")
             conditions = set_condition(conditions, "SpecValid", False, "InvalidSpec", str(exc))
             conditions = set_condition(conditions, "Ready", False, "InvalidSpec", "fix the spec; children were not changed")
-            patch.status.update(conditions=conditions, observedGeneration=meta.get("generation"))
+            patch.status.update(conditions=_record_owned(memo, conditions, RECONCILE_CONDITIONS),
+                                observedGeneration=meta.get("generation"))  # fmt: skip
             return
         redis_url, secret = _redis_target(mesh, config)
         try:
@@ -127,7 +128,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             raise kopf.TemporaryError(f"applying children failed: {exc}", delay=15) from exc
         conditions = set_condition(conditions, "SpecValid", True, "Valid", "spec accepted")
         conditions = set_condition(conditions, "Ready", True, "Reconciled", f"{len(children)} children applied")
-        patch.status.update(conditions=conditions, observedGeneration=meta.get("generation"))
+        patch.status.update(conditions=_record_owned(memo, conditions, RECONCILE_CONDITIONS),
+                            observedGeneration=meta.get("generation"))  # fmt: skip
 
     @kopf.on.delete(*RESOURCE, registry=registry)
     async def delete(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
@@ -183,7 +185,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             conditions = set_condition(conditions, "TelemetryAvailable", False, "RedisUnreachable", str(exc))
         except KubeError as exc:
             raise kopf.TemporaryError(f"scaling failed: {exc}", delay=15) from exc
-        patch.status["conditions"] = conditions
+        patch.status["conditions"] = _record_owned(memo, conditions, TIMER_CONDITIONS)
+
+
+RECONCILE_CONDITIONS = ("SpecValid", "Ready")
+TIMER_CONDITIONS = ("TelemetryAvailable",)
+
+
+def _record_owned(memo: kopf.Memo, conditions: list[dict[str, Any]], owned_types: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Remember this handler's conditions in the object's memo and return the full list with the
+    other handler's latest ones merged in (see operator/status.py)."""
+    owned = memo.setdefault("owned_conditions", {})
+    for condition in conditions:
+        if condition.get("type") in owned_types:
+            owned[condition["type"]] = condition
+    return merge_owned(conditions, owned.values())
 
 
 async def _autoscale(mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo,

@@ -8,6 +8,10 @@ from typing import Any
 
 # Ready: children reconciled from a valid spec. SpecValid: the spec parsed.
 # TelemetryAvailable: the timer could read Redis.
+# The reconcile handler owns SpecValid and Ready, the timer TelemetryAvailable. Kopf runs timers
+# concurrently with change handlers, and a status patch replaces the whole list, so each handler
+# writes the other's latest conditions too (`merge_owned`, from the per-object memo); otherwise a
+# tick that read the status before a reconcile's patch would erase Ready.
 
 
 def now_rfc3339() -> str:
@@ -45,3 +49,10 @@ def set_condition(
             }
         )
     return result
+
+
+def merge_owned(existing: Iterable[Mapping[str, Any]] | None, owned: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``existing`` with every condition of ``owned`` (the latest a handler wrote) in its place."""
+    latest = {c["type"]: dict(c) for c in owned}
+    result = [latest.pop(c.get("type"), dict(c)) for c in existing or ()]
+    return result + list(latest.values())
