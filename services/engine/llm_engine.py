@@ -260,7 +260,8 @@ class LLMEngine:
         """Finish the round in flight and stop the runner thread (overlap only)."""
         if self._overlap is not None:
             for _, future in self._in_flight:
-                future.result()
+                if future.exception() is not None:  # waits; a failed round was already reported
+                    logger.warning("a round in flight at shutdown failed: %s", future.exception())
             self._in_flight.clear()
             self._overlap.shutdown()
 

@@ -156,3 +156,23 @@ def test_scheduler_places_one_placeholder_and_skips_a_request_its_pending_token_
     scheduler.update_from_output(second, {"a": [6]})
     assert request.is_finished and request.output_token_ids == [5, 6]
     assert scheduler.kv.num_used_blocks == 0
+
+
+def test_a_failing_round_raises_from_step_and_shutdown_still_stops_the_runner(smollm_path):
+    llm = LLM(smollm_path, num_blocks=16, show_progress=False)
+    engine = llm.engine
+    execute, calls = engine.runner.execute, []
+
+    def failing_execute(out):
+        calls.append(out)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return execute(out)
+
+    engine.runner.execute = failing_execute
+    engine.add_request("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8))
+    with pytest.raises(RuntimeError, match="device lost"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.shutdown()  # returns: the failed round is not waited for twice, the thread stops
+    assert engine._overlap._shutdown
