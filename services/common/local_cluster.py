@@ -257,16 +257,11 @@ class LocalCluster:
         """(MoE layers, experts) from the worker's GetStatus, answered before any placement."""
         from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
-        deadline = time.monotonic() + self.spec.start_timeout_s
-        with grpc.insecure_channel(service.grpc_endpoint) as channel:
-            stub = expert_pb2_grpc.ExpertWorkerStub(channel)
-            while time.monotonic() < deadline:
-                self._check_alive(service)
-                with contextlib.suppress(grpc.RpcError):
-                    status = stub.GetStatus(expert_pb2.ExpertStatusRequest(), timeout=1.0)
-                    return status.num_moe_layers, status.num_experts
-                time.sleep(0.2)
-        raise TimeoutError(f"{service.name} did not answer within {self.spec.start_timeout_s} s")
+        def shape(channel):
+            status = expert_pb2_grpc.ExpertWorkerStub(channel).GetStatus(expert_pb2.ExpertStatusRequest(), timeout=1.0)
+            return status.num_moe_layers, status.num_experts
+
+        return self._poll_grpc(service, shape, "answer")
 
     def add_router(self, name: str, policy: str, extra_args: tuple[str, ...] = ()) -> Service:
         """Start one more router over the same workers (tests: compare policies) and wait for it."""
@@ -326,17 +321,24 @@ class LocalCluster:
         return service
 
     def _wait_grpc(self, service: Service) -> None:
+        def serving(channel):
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        self._poll_grpc(service, serving, "serve")
+
+    def _poll_grpc(self, service: Service, attempt, verb: str):
+        """Call `attempt(channel)` until it returns a truthy value (an RpcError counts as not
+        yet), while the process is alive, for at most start_timeout_s; returns that value."""
         deadline = time.monotonic() + self.spec.start_timeout_s
         with grpc.insecure_channel(service.grpc_endpoint) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 self._check_alive(service)
                 with contextlib.suppress(grpc.RpcError):
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
+                    if result := attempt(channel):
+                        return result
                 time.sleep(0.2)
-        raise TimeoutError(f"{service.name} did not serve within {self.spec.start_timeout_s} s")
+        raise TimeoutError(f"{service.name} did not {verb} within {self.spec.start_timeout_s} s")
 
     def _wait_http(self, service: Service) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s

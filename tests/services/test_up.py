@@ -41,6 +41,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def interrupt_and_wait_gone(up: subprocess.Popen, processes: set[int]) -> None:
+    """Ctrl-C to `moemesh up`'s process group: it exits 0 and every process it started is gone."""
+    os.killpg(up.pid, signal.SIGINT)
+    assert up.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in processes if alive(p)] == []
+
+
 def test_moemesh_up_serves_and_ctrl_c_stops_everything(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--decode", "1", "--port", str(port),
@@ -54,12 +64,7 @@ def test_moemesh_up_serves_and_ctrl_c_stops_everything(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         assert client.completions.create(model=model, prompt="Hello", max_tokens=3).choices[0].text
-        os.killpg(up.pid, signal.SIGINT)
-        assert up.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [p for p in processes if alive(p)] == []
+        interrupt_and_wait_gone(up, processes)
         assert "moemesh: stopping" in up.stdout.read()
     finally:
         if up.poll() is None:

@@ -6,15 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.moe.conftest import one_thread  # noqa: F401 - the same package-wide fixture
 from tests.engine.moe.models import build_deepseek_v3, build_qwen3_moe, make_prompts, save_tiny
-
-
-@pytest.fixture(scope="package", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:

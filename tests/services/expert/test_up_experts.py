@@ -10,12 +10,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 from moemesh.common.local_cluster import free_port
 from moemesh.engine.sampling_params import SamplingParams
-from tests.services.test_up import alive, children_of
+from tests.services.test_up import children_of, interrupt_and_wait_gone
 from .conftest import hf_generate, local_engine
 from .expert_helpers import MAX_NEW, generate_all
 
@@ -39,12 +38,7 @@ def test_moemesh_up_with_two_expert_workers_serves_deepseek_v3_like_local_expert
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         assert ours == [o.token_ids for o in local_engine(path).generate(prompts, greedy)]
         assert ours == hf_generate(hf, prompts, MAX_NEW)
-        os.killpg(up.pid, signal.SIGINT)
-        assert up.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [p for p in processes if alive(p)] == []
+        interrupt_and_wait_gone(up, processes)
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
