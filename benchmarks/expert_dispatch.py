@@ -31,7 +31,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from moemesh import LLM, SamplingParams  # noqa: E402
-from moemesh.common.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
 from moemesh.common.placement import PlacementStore  # noqa: E402
 from moemesh.common.redis_client import connect  # noqa: E402
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
@@ -163,7 +163,7 @@ def main() -> None:
                                num_threads=args.threads, log_dir=tmp)  # fmt: skip
             cluster = LocalCluster(spec)
             try:
-                from moemesh.common.local_cluster import RedisServer
+                from moemesh.launcher.local_cluster import RedisServer
 
                 cluster.redis = RedisServer().start()
                 cluster.redis_url = cluster.redis.url

@@ -32,7 +32,7 @@ from common import TOPICS, print_table  # noqa: E402
 
 import openai  # noqa: E402
 
-from moemesh.common.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
 from moemesh.engine.loader import default_model_path, open_checkpoint  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")

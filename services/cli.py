@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.set_defaults(func=_generate)
 
-    from moemesh.common.local_cluster import add_up_arguments
-    from moemesh.common.settings import add_serve_arguments, add_speculation_arguments
+    from moemesh.launcher.up import add_up_arguments
+    from moemesh.serve_args import add_serve_arguments
+    from moemesh.worker.settings import add_speculation_arguments
 
     add_speculation_arguments(gen.add_argument_group("speculative decoding"))
 
@@ -53,8 +54,10 @@ def _configure_logging(name: str) -> None:
 
 
 def _serve(args) -> int:
-    from moemesh.common.settings import SettingsError, router_settings, worker_settings
-    from moemesh.engine.errors import MoemeshError
+    from moemesh.common.settings import SettingsError
+    from moemesh.router.settings import router_settings
+    from moemesh.text.errors import MoemeshError
+    from moemesh.worker.settings import worker_settings
 
     try:
         if args.role == "router":
@@ -69,7 +72,7 @@ def _serve(args) -> int:
             from moemesh.expert.worker import main as expert_main
 
             return expert_main(settings)
-        from moemesh.decode.worker import main as worker_main
+        from moemesh.worker.main import main as worker_main
 
         return worker_main(settings)
     except (SettingsError, MoemeshError) as e:
@@ -78,13 +81,14 @@ def _serve(args) -> int:
 
 
 def _up(args) -> int:
-    from moemesh.common.local_cluster import run_up
+    from moemesh.launcher.up import run_up
 
     return run_up(args)
 
 
 def _generate(args) -> int:
-    from moemesh.common.settings import SettingsError, speculation_settings
+    from moemesh.common.settings import SettingsError
+    from moemesh.worker.settings import speculation_settings
     from moemesh.engine.errors import MoemeshError
     from moemesh.engine.llm import LLM
     from moemesh.engine.sampling_params import SamplingParams

@@ -60,7 +60,8 @@ def test_the_otlp_endpoint_comes_from_the_flag_else_the_mesh_config_else_the_sta
     import json
 
     from moemesh.cli import build_parser
-    from moemesh.common.settings import router_settings, worker_settings
+    from moemesh.router.settings import router_settings
+    from moemesh.worker.settings import worker_settings
 
     config = tmp_path / "mesh.json"
     config.write_text(json.dumps({"otlp_endpoint": "collector:4317"}))

@@ -50,8 +50,13 @@ class ChannelPool:
             await channel.close(grace=None)
 
 
+LIVENESS_SERVICE = "liveness"  # the pods' liveness probe: SERVING while the process runs
+
+
 class HealthReporter:
-    """The server's grpc.health.v1 status for the overall server ('') and each named service."""
+    """The server's grpc.health.v1 status: readiness for the overall server ('') and each named
+    service, which `set_serving` turns on and off; liveness (`LIVENESS_SERVICE`), SERVING from the
+    first report until shutdown, so a worker that loads or waits for a placement is alive, not ready."""
 
     def __init__(self, service_names: list[str]):
         self.servicer = health_aio.HealthServicer()
@@ -59,6 +64,7 @@ class HealthReporter:
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         for name in self.service_names:
             await self.servicer.set(name, status)
 

@@ -142,3 +142,45 @@ class RouterMetrics:
 
     def route(self, worker_id: str, role: str) -> None:
         self.routed.labels(**self._labels, worker_id=worker_id, role=role).inc()
+
+
+class _ExpertTokensCollector:
+    """Tokens per (layer, logical expert) since start and the placement version, read at scrape time."""
+
+    def __init__(self, state: Callable[[], tuple], labels: dict[str, str]):
+        self._state = state  # () -> (total_counts [num_layers, num_experts], active placement version)
+        self._labels = labels
+
+    def collect(self):
+        counts, version = self._state()
+        names, values = list(self._labels), list(self._labels.values())
+        tokens = CounterMetricFamily("moemesh:expert_tokens", "Tokens computed per (MoE layer, logical expert).",
+                                     labels=[*names, "layer", "expert"])  # fmt: skip
+        for layer, expert in zip(*counts.nonzero()):
+            tokens.add_metric([*values, str(layer), str(expert)], float(counts[layer, expert]))
+        yield tokens
+        placement = GaugeMetricFamily("moemesh:expert_placement_version", "Active placement version held (0: none).",
+                                      labels=names)  # fmt: skip
+        placement.add_metric(values, float(version))
+        yield placement
+
+
+class ExpertMetrics:
+    """An expert worker's metrics: RunExperts calls and their latency (observed by the servicer),
+    tokens per (layer, expert) and the placement version (read at scrape time)."""
+
+    def __init__(self, model_name: str, worker_id: str, state: Callable[[], tuple]):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "worker_id": worker_id}
+        self._labels = labels
+        names = list(labels)
+        self.registry.register(_ExpertTokensCollector(state, labels))
+        self.calls = Counter("moemesh:expert_calls", "RunExperts calls by gRPC status.", [*names, "code"],
+                             registry=self.registry)  # fmt: skip
+        self.latency = Histogram("moemesh:expert_call_seconds", "Time to answer one RunExperts call.", names,
+                                 buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+
+    def call(self, code: str, seconds: float | None = None) -> None:
+        self.calls.labels(**self._labels, code=code).inc()
+        if seconds is not None:
+            self.latency.observe(seconds)

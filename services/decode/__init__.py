@@ -1,4 +1,1 @@
-"""Decode worker: admits requests, gets KV from a prefill worker or prefills locally, decodes.
-
-Also the worker process runtime (`worker.py`) shared by every prefill / decode / both worker.
-"""
+"""Decode role: the DecodeWorker servicer (admit, get KV from a prefill worker or prefill locally, decode)."""

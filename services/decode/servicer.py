@@ -19,13 +19,12 @@ import grpc
 
 from moemesh.common import telemetry
 from moemesh.common.metrics import WorkerMetrics
-from moemesh.engine.async_engine import AsyncEngine, EngineDeadError, RemotePrefillNeeded
-from moemesh.engine.errors import ExpertUnavailableError, InvalidRequestError
+from moemesh.engine.async_engine import AsyncEngine, RemotePrefillNeeded
 from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemotePrefillTask
 from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import RemotePrefillParams
-from moemesh.prefill.convert import FINISH_REASONS, logprob_to_proto, sampling_from_proto
-from moemesh.prefill.servicer import load_report
+from moemesh.proto.convert import FINISH_REASONS, load_report, logprob_to_proto
+from moemesh.worker.grpc_status import admit, engine_errors_as_status
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, telemetry_pb2
 
 logger = logging.getLogger(__name__)
@@ -54,14 +53,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self._tracer = telemetry.tracer("moemesh.decode")
 
     async def Generate(self, request: decode_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
-        if not self.engine.is_ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        params = await admit(self.engine, request.sampling, context)
         if self.engine.stats.get("num_waiting", 0) >= self.max_queued_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_queued_requests} requests queued")
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as e:
-            await _abort_invalid(context, e)
         arrival = time.monotonic()
         span = self._tracer.start_span("decode.generate", context=telemetry.extract_context(context))
         span.set_attribute("moemesh.request_id", request.request_id)
@@ -75,34 +69,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         # spans: local = "queue+prefill" -> "decode"; remote = "queue" -> "kv_transfer" -> "decode"
         phase = self._tracer.start_span("queue+prefill", context=ctx)
         try:
-            async for event in events:
-                if isinstance(event, RemotePrefillNeeded):
-                    phase.update_name("queue")
-                    phase.end()
-                    num_remote_tokens = await self._remote_prefill(request, event, ctx)
-                    phase = self._tracer.start_span("decode" if num_remote_tokens else "prefill.fallback", context=ctx)
-                    continue
-                now = time.monotonic()
-                if last is None:
-                    self.metrics.observe_ttft(now - arrival)
-                    if not num_remote_tokens:
+            async with engine_errors_as_status(context):
+                async for event in events:
+                    if isinstance(event, RemotePrefillNeeded):
+                        phase.update_name("queue")
                         phase.end()
-                        phase = self._tracer.start_span("decode", context=ctx)
-                else:
-                    self.metrics.observe_itl(now - last)
-                last = now
-                yield self._response(event, num_remote_tokens)
-                if event.finished:
-                    self.metrics.finished(event.finish_reason)
-                    span.set_attribute("moemesh.num_output_tokens", len(event.token_ids))
-                    span.set_attribute("moemesh.num_cached_tokens", event.num_cached_tokens)
-                    span.set_attribute("moemesh.num_remote_prefill_tokens", num_remote_tokens)
-        except InvalidRequestError as e:
-            await _abort_invalid(context, e)
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except ExpertUnavailableError as e:  # not UNAVAILABLE: retrying on another worker would not help
-            await context.abort(grpc.StatusCode.ABORTED, str(e))
+                        num_remote_tokens = await self._remote_prefill(request, event, ctx)
+                        phase = self._tracer.start_span("decode" if num_remote_tokens else "prefill.fallback", context=ctx)
+                        continue
+                    now = time.monotonic()
+                    if last is None:
+                        self.metrics.observe_ttft(now - arrival)
+                        if not num_remote_tokens:
+                            phase.end()
+                            phase = self._tracer.start_span("decode", context=ctx)
+                    else:
+                        self.metrics.observe_itl(now - last)
+                    last = now
+                    yield self._response(event, num_remote_tokens)
+                    if event.finished:
+                        self.metrics.finished(event.finish_reason)
+                        span.set_attribute("moemesh.num_output_tokens", len(event.token_ids))
+                        span.set_attribute("moemesh.num_cached_tokens", event.num_cached_tokens)
+                        span.set_attribute("moemesh.num_remote_prefill_tokens", num_remote_tokens)
         finally:
             phase.end()
             span.end()
@@ -156,14 +145,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return decode_pb2.AbortResponse(num_aborted=len(request.request_ids))
 
     async def GetLoad(self, request, context) -> telemetry_pb2.LoadReport:
-        return load_report(self.engine, self.worker_id, self.role, self.metrics)
+        return load_report(self.engine.stats, self.worker_id, self.role, self.metrics)
 
 
 def _with_metadata(task: RemotePrefillTask, metadata) -> RemotePrefillTask:
     return dataclasses.replace(task, metadata=tuple(metadata))
 
-
-async def _abort_invalid(context, error: InvalidRequestError) -> None:
-    if error.param:
-        context.set_trailing_metadata((("moemesh-param", error.param),))
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

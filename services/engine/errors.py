@@ -1,20 +1,9 @@
-"""Errors raised at the engine's boundary; each tells the user which field to fix."""
+"""Errors raised at the engine's boundary; each tells the user which field to fix. The request
+and model-loading errors are the text layer's (`moemesh.text.errors`), shared with the router."""
 
+from moemesh.text.errors import InvalidRequestError, ModelLoadError, MoemeshError
 
-class MoemeshError(Exception):
-    """Base class of the errors moemesh raises on purpose."""
-
-
-class InvalidRequestError(MoemeshError, ValueError):
-    """A request or its sampling parameters are invalid (maps to HTTP 400 / INVALID_ARGUMENT)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ModelLoadError(MoemeshError):
-    """The model path does not exist, or the checkpoint is corrupt or unsupported."""
+__all__ = ["ConfigError", "ExpertUnavailableError", "InvalidRequestError", "ModelLoadError", "MoemeshError"]
 
 
 class ConfigError(MoemeshError, ValueError):

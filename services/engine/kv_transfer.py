@@ -161,7 +161,7 @@ class KVTransport(abc.ABC):
     """Moves KV from prefill workers to this decode worker. Called by the decode servicer (in
     its asyncio loop), once per request parked in WAITING_FOR_REMOTE_KV; cancelling the call
     must cancel the transfer and free the blocks on P. Implementations: `GrpcKVTransport`
-    (moemesh.decode.kv_client, streaming over gRPC); RDMA/NIXL later."""
+    (moemesh.worker.kv_client, streaming over gRPC); RDMA/NIXL later."""
 
     @abc.abstractmethod
     async def fetch(self, task: RemotePrefillTask) -> RemoteKV:

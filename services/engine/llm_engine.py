@@ -23,7 +23,7 @@ import torch
 
 from moemesh.common.block_hash import HashExtra
 from moemesh.engine.config import EngineConfig
-from moemesh.engine.detokenizer import IncrementalDetokenizer
+from moemesh.text.detokenizer import IncrementalDetokenizer
 from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_cache_manager import KVCacheManager
 from moemesh.engine.kv_transfer import ExportedKV, KVLayout, RemoteKV, cache_tensors, gather_kv, kv_layout, scatter_kv

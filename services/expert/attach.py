@@ -21,7 +21,7 @@ import redis
 
 from moemesh.common import registry
 from moemesh.common.placement import PlacementStore
-from moemesh.common.settings import ExpertSettings
+from moemesh.worker.settings import ExpertSettings
 from moemesh.engine.async_engine import AsyncEngine
 from moemesh.engine.errors import ModelLoadError
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import torch
 
+from moemesh.common.metrics import ExpertMetrics
 from moemesh.expert.replicas import HostedVersion, ReplicaStore
 from moemesh.expert.wire import WireError, tensor_from_proto, tensor_to_proto
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
@@ -101,8 +102,10 @@ def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
 
 class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def __init__(self, store: ReplicaStore, status: Callable[[], expert_pb2.ExpertStatus],
-                 num_threads: int | None = None, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 num_threads: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 metrics: ExpertMetrics | None = None):  # fmt: skip
         self.store = store
+        self.metrics = metrics
         self._status = status
         self._clock = clock
         initializer = (lambda: torch.set_num_threads(num_threads)) if num_threads else None
@@ -112,9 +115,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.num_in_flight = 0
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
         try:
             call = parse_call(self.store, request)
         except CallError as e:
+            if self.metrics is not None:
+                self.metrics.call(e.code.name)
             await context.abort(e.code, str(e))
         hosted = call.hosted
         hosted.num_in_flight += 1
@@ -129,6 +135,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         experts = hosted.placement.phy2log[call.layer, hosted.slots]  # [num_local]
         np.add.at(self.window_counts[call.layer], experts, call.local_counts)
         np.add.at(self.total_counts[call.layer], experts, call.local_counts)
+        if self.metrics is not None:
+            self.metrics.call("OK", time.perf_counter() - started)
         return reply
 
     async def GetStatus(self, request, context) -> expert_pb2.ExpertStatus:

@@ -24,13 +24,15 @@ import time
 
 import redis
 import torch
+from prometheus_client import start_http_server
 
 from moemesh.common import redis_client, redis_keys, registry, telemetry
 from moemesh.common.expert_load import DEFAULT_TTL_S, publish_expert_load
 from moemesh.common.grpc_util import HealthReporter, create_server
-from moemesh.common.local_cluster import serve_until_signalled
+from moemesh.common.metrics import ExpertMetrics
+from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.placement import PlacementError, PlacementStore
-from moemesh.common.settings import WorkerSettings
+from moemesh.worker.settings import WorkerSettings
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader import default_model_path, open_checkpoint
 from moemesh.engine.loader.build import DTYPES
@@ -55,7 +57,9 @@ class ExpertWorker:
         self.replicas = ReplicaStore(settings.worker_id, shape, read)
         self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
         self.placements = PlacementStore(self.redis, settings.mesh.mesh)
-        self.servicer = ExpertServicer(self.replicas, self._status, settings.engine.num_threads, clock)
+        self.metrics = ExpertMetrics(self.model_id, settings.worker_id, lambda: (self.servicer.total_counts,
+                                                                                 self.active_version))  # fmt: skip
+        self.servicer = ExpertServicer(self.replicas, self._status, settings.engine.num_threads, clock, self.metrics)
         self.active_version = 0
         self._serving = False
         self._marked: set[int] = set()  # versions marked ready
@@ -70,6 +74,9 @@ class ExpertWorker:
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(self.servicer, server)
         await self.health.set_serving(False)
         await server.start()
+        metrics_server = None
+        if s.metrics_port is not None:
+            metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
         logger.info("expert worker %s listening on %s:%d (%s, %d MoE layers x %d experts)", s.worker_id, s.host, port,
                     self.shape.architecture, self.shape.num_layers, self.shape.num_experts)  # fmt: skip
         tasks = [asyncio.create_task(self._every(s.mesh.heartbeat_ttl_s / 3, self._heartbeat)),
@@ -79,6 +86,8 @@ class ExpertWorker:
             await stop.wait()
         finally:
             await self._shutdown(server, tasks)
+            if metrics_server is not None:
+                metrics_server.shutdown()
 
     # -- placement -------------------------------------------------------------------------
     async def _sync_placement(self) -> None:

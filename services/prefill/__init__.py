@@ -1,1 +1,1 @@
-"""Prefill worker: prefills prompts and streams their KV to decode workers."""
+"""Prefill role: the PrefillWorker servicer (prefill prompts, stream their KV to decode workers)."""

@@ -14,31 +14,11 @@ import grpc
 
 from moemesh.common import telemetry
 from moemesh.common.metrics import WorkerMetrics
-from moemesh.engine.async_engine import AsyncEngine, EngineDeadError
-from moemesh.engine.errors import ExpertUnavailableError, InvalidRequestError
+from moemesh.engine.async_engine import AsyncEngine
 from moemesh.engine.kv_transfer import ExportedKV
-from moemesh.prefill.convert import layout_from_proto, logprob_to_proto, sampling_from_proto
+from moemesh.proto.convert import layout_from_proto, load_report, logprob_to_proto
+from moemesh.worker.grpc_status import admit, engine_errors_as_status
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc, telemetry_pb2
-
-
-def load_report(engine: AsyncEngine, worker_id: str, role: str, metrics: WorkerMetrics) -> telemetry_pb2.LoadReport:
-    stats = engine.stats
-    return telemetry_pb2.LoadReport(
-        worker_id=worker_id,
-        role=role,
-        num_waiting=stats.get("num_waiting", 0),
-        num_running=stats.get("num_running", 0),
-        num_waiting_for_kv=stats.get("num_waiting_for_kv", 0),
-        num_blocks_total=stats.get("num_blocks_total", 0),
-        num_blocks_used=stats.get("num_blocks_used", 0),
-        kv_usage=stats.get("kv_usage", 0.0),
-        prefix_cache_queries=stats.get("prefix_cache_queries", 0),
-        prefix_cache_hits=stats.get("prefix_cache_hits", 0),
-        num_preemptions=stats.get("num_preemptions", 0),
-        ttft_p90_s=metrics.ttft_window.quantile(0.9),
-        itl_p90_s=metrics.itl_window.quantile(0.9),
-        num_kv_exports_held=stats.get("num_kv_held", 0),
-    )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
@@ -51,18 +31,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self._tracer = telemetry.tracer("moemesh.prefill")
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        if not self.engine.is_ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        sampling = await admit(self.engine, request.sampling, context)
         layout = self.engine.engine.kv_layout
         if layout_from_proto(request.layout) != layout:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV layout mismatch: this worker has {layout}")  # fmt: skip
-        try:
-            params = dataclasses.replace(
-                sampling_from_proto(request.sampling), max_tokens=1, stop_token_ids=(), stop=(), ignore_eos=True
-            )
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        params = dataclasses.replace(sampling, max_tokens=1, stop_token_ids=(), stop=(), ignore_eos=True)
         start = time.monotonic()
         parent = telemetry.extract_context(context)
         with self._tracer.start_as_current_span("prefill", context=parent) as span:  # no yield inside
@@ -93,15 +67,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             kv_export_start=request.num_computed_tokens,
         )  # fmt: skip
         try:
-            async for event in events:
-                if isinstance(event, ExportedKV):
-                    return event
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except ExpertUnavailableError as e:  # not UNAVAILABLE: retrying on another worker would not help
-            await context.abort(grpc.StatusCode.ABORTED, str(e))
+            async with engine_errors_as_status(context):
+                async for event in events:
+                    if isinstance(event, ExportedKV):
+                        return event
         finally:
             await events.aclose()
         await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted")
@@ -118,4 +87,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return header
 
     async def GetLoad(self, request, context) -> telemetry_pb2.LoadReport:
-        return load_report(self.engine, self.worker_id, self.role, self.metrics)
+        return load_report(self.engine.stats, self.worker_id, self.role, self.metrics)

@@ -22,7 +22,7 @@ from moemesh.common import telemetry
 from moemesh.common.block_hash import HashExtra, hash_block_chain
 from moemesh.common.grpc_util import ChannelPool
 from moemesh.common.metrics import RouterMetrics
-from moemesh.engine.detokenizer import IncrementalDetokenizer
+from moemesh.text.detokenizer import IncrementalDetokenizer
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from moemesh.router.worker_pool import NoWorkerError, WorkerPool
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from moemesh.common.metrics import RouterMetrics
-from moemesh.engine.errors import InvalidRequestError
+from moemesh.text.errors import InvalidRequestError
 from moemesh.router.dispatcher import Delta, Dispatcher, GenerateInput, InvalidRequest, ModelNotFound, Overloaded
 
 

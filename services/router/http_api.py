@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions (SSE
-streaming with `data: [DONE]`), /health, /metrics. Errors are OpenAI error objects with the
+streaming with `data: [DONE]`), /live (liveness), /health (readiness: 503 until a decode worker
+is routable), /metrics. Errors are OpenAI error objects with the
 status of the RouterError (400 invalid, 404 unknown model, 429 overloaded, 503 no worker).
 
 A client that disconnects cancels its request: for streams Starlette cancels the response
@@ -59,6 +60,10 @@ def build_app(frontend: Frontend, num_decode_workers) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         return JSONResponse(error_body(str(e.detail), "invalid_request_error", None, None), status_code=e.status_code)
+
+    @app.get("/live")
+    async def live():  # liveness: the process serves HTTP; readiness is /health
+        return JSONResponse({"status": "ok"})
 
     @app.get("/health")
     async def health():

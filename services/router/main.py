@@ -12,14 +12,15 @@ import os
 
 import redis
 import uvicorn
+from prometheus_client import start_http_server
 
 from moemesh.common import redis_client, registry, telemetry
 from moemesh.common.block_hash import HashExtra
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
-from moemesh.common.local_cluster import watch_parent
+from moemesh.common.lifecycle import watch_parent
 from moemesh.common.metrics import RouterMetrics
-from moemesh.common.settings import RouterSettings, RoutingSettings
-from moemesh.engine.loader import default_model_path, open_checkpoint
+from moemesh.common.model_source import default_model_path
+from moemesh.router.settings import RouterSettings, RoutingSettings
 from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
 from moemesh.router.dispatcher import Dispatcher
 from moemesh.router.frontend import Frontend
@@ -28,13 +29,14 @@ from moemesh.router.http_api import build_app
 from moemesh.router.policy import make_policy
 from moemesh.router.token_ids_only import TokenIdsOnlyTokenizer
 from moemesh.router.worker_pool import DECODE_ROLES, WorkerPool
+from moemesh.text.model_text import open_model_text
 
 logger = logging.getLogger(__name__)
 
 
 def build_frontend(settings: RouterSettings, client: redis.Redis, channels: ChannelPool) -> tuple[Frontend, WorkerPool]:
     path = settings.model or default_model_path()
-    checkpoint = open_checkpoint(path)  # tokenizer + chat template only; never the model
+    checkpoint = open_model_text(path)  # config, tokenizer + chat template only; never the weights
     name = settings.served_model_name or os.path.splitext(os.path.basename(path.rstrip("/")))[0]
     max_len = settings.max_model_len or int(checkpoint.hf_config.get("max_position_embeddings") or 1 << 30)
     metrics = RouterMetrics(name)
@@ -77,6 +79,10 @@ async def serve(settings: RouterSettings) -> None:
                 settings.http_port, settings.routing.policy,
                 "disaggregated" if settings.routing.disaggregated else "aggregated")  # fmt: skip
     heartbeats = asyncio.create_task(_heartbeats(settings, client, frontend))
+    metrics_server = None
+    if settings.metrics_port is not None:  # the pod's declared `metrics` port (also /metrics on HTTP)
+        metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host,
+                                              registry=frontend.metrics.registry)  # fmt: skip
     server = uvicorn.Server(config)
     orphaned = asyncio.Event()
     watchdog = asyncio.create_task(watch_parent(settings.mesh.parent_pid, orphaned))
@@ -95,6 +101,8 @@ async def serve(settings: RouterSettings) -> None:
         if grpc_server is not None:
             await grpc_server.stop(2)
         await channels.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         client.close()
         logger.info("router stopped")
 

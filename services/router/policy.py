@@ -32,7 +32,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moemesh.common.settings import RoutingSettings
+from moemesh.router.settings import RoutingSettings
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from moemesh.common.local_cluster import ClusterSpec, LocalCluster, Service
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, Service
 from moemesh.proto.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, telemetry_pb2
 
 MAX_MODEL_LEN = 1024

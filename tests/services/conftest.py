@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moemesh.common.local_cluster import RedisServer
+from moemesh.launcher.local_cluster import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -199,7 +199,7 @@ def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: st
 
 def test_router_hash_chain_equals_the_blocks_the_worker_cached(cluster, tokenizer, redis_server):
     from moemesh.common.grpc_util import ChannelPool
-    from moemesh.common.settings import RouterSettings
+    from moemesh.router.settings import RouterSettings
     from moemesh.router.main import build_frontend
 
     index = PrefixIndex(connect(redis_server.url), MESH)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from moemesh.common import registry
-from moemesh.common.local_cluster import RedisServer
+from moemesh.launcher.local_cluster import RedisServer
 from moemesh.common.prefix_index import PrefixIndex, meta_key
 from moemesh.common.redis_client import connect
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc

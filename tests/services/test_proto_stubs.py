@@ -43,6 +43,6 @@ def test_no_pickle_in_the_services():
 
 
 def test_kv_chunks_fit_well_under_the_grpc_message_limit():
-    from moemesh.common.settings import WorkerSettings
+    from moemesh.worker.settings import WorkerSettings
 
     assert WorkerSettings(role="decode", worker_id="d").kv_chunk_bytes <= 2 << 20

@@ -11,7 +11,8 @@ import pytest
 
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.redis_client import connect
-from moemesh.common.settings import MeshSettings, RouterSettings
+from moemesh.common.settings import MeshSettings
+from moemesh.router.settings import RouterSettings
 from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from moemesh.router.grpc_api import GenerateServicer
 from moemesh.router.http_api import build_app

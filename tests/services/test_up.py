@@ -12,7 +12,7 @@ import time
 
 import openai
 
-from moemesh.common.local_cluster import free_port
+from moemesh.launcher.local_cluster import free_port
 
 
 def children_of(pid: int) -> set[int]:
@@ -74,7 +74,7 @@ def test_moemesh_up_serves_and_ctrl_c_stops_everything(tmp_path):
 
 def test_up_checks_speculation_flags_before_starting_anything_and_hands_them_to_workers():
     from moemesh.cli import build_parser
-    from moemesh.common.local_cluster import _speculation_args
+    from moemesh.launcher.up import speculation_args as _speculation_args
 
     bad = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--speculative-method", "draft"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip

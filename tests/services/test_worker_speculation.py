@@ -9,8 +9,10 @@ import argparse
 import pytest
 
 from moemesh import SamplingParams
-from moemesh.common.settings import SettingsError, add_serve_arguments, worker_settings
-from moemesh.decode.worker import engine_config
+from moemesh.common.settings import SettingsError
+from moemesh.serve_args import add_serve_arguments
+from moemesh.worker.settings import worker_settings
+from moemesh.worker.main import engine_config
 from moemesh.engine.config import SpecConfig
 from moemesh.engine.llm_engine import LLMEngine
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.engine.tokenizer import Tokenizer
+from moemesh.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -7,7 +7,6 @@ weights match HF's rotate-half RoPE.
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -15,7 +14,8 @@ import torch
 
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader.checkpoint import Checkpoint
-from moemesh.engine.tokenizer import Tokenizer
+from moemesh.text.gguf_metadata import open_reader
+from moemesh.text.model_text import gguf_model_text
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -37,19 +37,9 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def open_gguf(path: str) -> Checkpoint:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises assorted errors on corrupt files
-        raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
-    meta = _Metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
-    tensor_names = {t.name for t in reader.tensors}
-    hf_config = _hf_config(meta, tensor_names)
-    num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    reader = open_reader(path)
+    text = gguf_model_text(reader, path)
+    num_heads, num_kv_heads = text.hf_config["num_attention_heads"], text.hf_config["num_key_value_heads"]
 
     def iter_weights(select=None):
         for tensor in reader.tensors:
@@ -65,59 +55,7 @@ def open_gguf(path: str) -> Checkpoint:
                 array = array.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(array))
 
-    stat = os.stat(path)
-    return Checkpoint(
-        hf_config=hf_config,
-        tokenizer=Tokenizer.from_gguf_metadata(meta.get),
-        iter_weights=iter_weights,
-        num_tensors=len(reader.tensors),
-        model_id=f"{meta.get('general.name') or os.path.basename(path)}:{stat.st_size}",
-    )
-
-
-class _Metadata:
-    def __init__(self, reader):
-        self._fields = reader.fields
-
-    def get(self, key: str, default=None):
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
-
-
-def _hf_config(meta: _Metadata, tensor_names: set[str]) -> dict:
-    def need(key):
-        value = meta.get(f"llama.{key}")
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks llama.{key}")
-        return value
-
-    num_heads = need("attention.head_count")
-    hidden = need("embedding_length")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": meta.get("llama.vocab_size") or len(tokens),
-        "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": meta.get("llama.attention.head_count_kv") or num_heads,
-        "head_dim": meta.get("llama.attention.key_length") or hidden // num_heads,
-        "max_position_embeddings": meta.get("llama.context_length") or 2048,
-        "rms_norm_eps": meta.get("llama.attention.layer_norm_rms_epsilon") or 1e-5,
-        "rope_theta": meta.get("llama.rope.freq_base") or 10000.0,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-    }
-    scaling = meta.get("llama.rope.scaling.type")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": meta.get("llama.rope.scaling.factor")}
-    elif scaling not in (None, "none"):
-        raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported")
-    return config
+    return Checkpoint(text.hf_config, text.tokenizer, iter_weights, len(reader.tensors), text.model_id)
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader.checkpoint import Checkpoint
-from moemesh.engine.tokenizer import Tokenizer
+from moemesh.text.model_text import hf_dir_model_id, read_hf_config
+from moemesh.text.tokenizer import Tokenizer
 
 
 def open_hf_dir(path: str) -> Checkpoint:
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ModelLoadError(f"{path!r} has no config.json")
-    try:
-        with open(config_path) as f:
-            hf_config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
+    hf_config = read_hf_config(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path!r} has no *.safetensors weights")
@@ -50,5 +43,5 @@ def open_hf_dir(path: str) -> Checkpoint:
         tokenizer=Tokenizer.from_hf_dir(path, hf_config),
         iter_weights=iter_weights,
         num_tensors=num_tensors,
-        model_id=os.path.abspath(path),
+        model_id=hf_dir_model_id(path),
     )

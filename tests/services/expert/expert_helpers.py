@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from moemesh.common.local_cluster import ClusterSpec, LocalCluster, Service
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, Service
 from moemesh.common.placement import Placement, contiguous_slot_owner
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 from tests.services.cluster_helpers import generate

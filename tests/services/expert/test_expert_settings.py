@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from moemesh.cli import build_parser
-from moemesh.common.settings import SettingsError, worker_settings
+from moemesh.common.settings import SettingsError
+from moemesh.worker.settings import worker_settings
 from moemesh.operator import manifests
 from moemesh.operator.spec import parse_spec
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from moemesh.common.local_cluster import free_port
+from moemesh.launcher.local_cluster import free_port
 from moemesh.engine.sampling_params import SamplingParams
 from tests.services.test_up import children_of, interrupt_and_wait_gone
 from .conftest import hf_generate, local_engine

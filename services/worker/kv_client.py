@@ -16,7 +16,7 @@ import torch
 
 from moemesh.common.grpc_util import ChannelPool
 from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemoteKV, RemotePrefillTask
-from moemesh.prefill.convert import layout_to_proto, logprob_from_proto
+from moemesh.proto.convert import layout_to_proto, logprob_from_proto
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc
 
 

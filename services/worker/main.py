@@ -19,12 +19,12 @@ from prometheus_client import start_http_server
 
 from moemesh.common import redis_client, registry, telemetry
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
-from moemesh.common.local_cluster import serve_until_signalled
+from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.prefix_publisher import PrefixIndexPublisher
-from moemesh.common.settings import EngineSettings, WorkerSettings
-from moemesh.decode.kv_client import GrpcKVTransport
+from moemesh.worker.settings import EngineSettings, WorkerSettings
+from moemesh.worker.kv_client import GrpcKVTransport
 from moemesh.decode.servicer import DecodeServicer
 from moemesh.engine.async_engine import AsyncEngine
 from moemesh.expert.attach import NoRemoteExperts, RemoteExperts

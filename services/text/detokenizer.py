@@ -8,7 +8,7 @@ the final text is cut right before the first stop string.
 
 from __future__ import annotations
 
-from moemesh.engine.tokenizer import Tokenizer
+from moemesh.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

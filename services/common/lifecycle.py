@@ -1,0 +1,33 @@
+"""The process lifecycle every service uses: run until SIGTERM / SIGINT, or until the launcher
+that started the process is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+
+async def watch_parent(parent_pid: int | None, stop, interval_s: float = 1.0) -> None:
+    """Set `stop` (an asyncio.Event) once the launcher that started this process is gone."""
+    if parent_pid is None:
+        return
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(interval_s)
+    stop.set()
+
+
+def serve_until_signalled(serve, parent_pid: int | None) -> int:
+    """Run `serve(stop)` (a coroutine function taking an asyncio.Event) until SIGTERM / SIGINT,
+    or until the launcher `parent_pid` is gone; a worker process's main loop. Returns 0."""
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watchdog = asyncio.create_task(watch_parent(parent_pid, stop))
+        await serve(stop)
+        watchdog.cancel()
+
+    asyncio.run(run())
+    return 0

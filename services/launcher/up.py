@@ -1,0 +1,82 @@
+"""`moemesh up`: the command line of the local cluster (`local_cluster.py`)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from moemesh.common.settings import SettingsError
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
+from moemesh.worker.settings import add_speculation_arguments, speculation_settings
+
+
+def add_up_arguments(parser) -> None:
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    parser.add_argument("--aggregated", action="store_true", help="workers prefill and decode (no prefill workers)")
+    parser.add_argument("--policy", default="kv_aware", choices=("round_robin", "least_loaded", "kv_aware"))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free port)")
+    parser.add_argument("--grpc-port", type=int, default=0, help="router gRPC port (0: any free port)")
+    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
+    parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
+    parser.add_argument("--otlp-endpoint", default=None, help="every service exports traces over OTLP/gRPC here")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)")
+    add_speculation_arguments(parser)  # handed to the decode workers
+
+
+def speculation_args(args) -> tuple[str, ...]:
+    """The `--speculative-*` flags for the workers, checked here first (SettingsError)."""
+    spec = speculation_settings(args)
+    if spec.method == "none":
+        return ()
+    flags = ("--speculative-method", spec.method, "--num-speculative-tokens", str(spec.num_speculative_tokens),
+             "--speculative-scheduling", spec.scheduling)  # fmt: skip
+    return flags + (("--draft-model", spec.draft_model) if spec.draft_model else ())
+
+
+def run_up(args) -> int:
+    worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
+    try:
+        worker_args += speculation_args(args)
+    except SettingsError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    spec = ClusterSpec(
+        num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
+        host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
+        model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
+        otlp_endpoint=args.otlp_endpoint,
+        num_experts=args.experts,
+    )  # fmt: skip
+    if args.prefill < 0 or args.decode < 1 or args.experts < 0:
+        print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(spec)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        cluster.start()
+        router = cluster.services["router"]
+        print(f"moemesh is up: OpenAI API at {cluster.url}/v1 (gRPC Generate at {router.grpc_endpoint}); "
+              "Ctrl-C stops it", flush=True)  # fmt: skip
+        while not stopping:
+            dead = [s.name for s in cluster.services.values() if not s.alive]
+            if dead:
+                print(f"moemesh: error: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("moemesh: stopping", flush=True)
+        cluster.stop()
+    return 0

@@ -1,0 +1,213 @@
+"""Worker settings (`moemesh serve --role prefill|decode|both|expert`): engine, speculation,
+KV transfer and expert options."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
+
+WORKER_ROLES = ("prefill", "decode", "both", "expert")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_SCHEDULING = ("fixed", "confidence")
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """Speculative decoding of a decode worker or `moemesh generate` (see SpecConfig)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    scheduling: str = "confidence"
+    draft_model: str | None = None  # GGUF / HF dir sharing the target's tokenizer (method draft)
+
+    def __post_init__(self):
+        method, draft = self.method, self.draft_model
+        check(method in SPECULATIVE_METHODS,
+               f"--speculative-method must be one of {SPECULATIVE_METHODS}, got {method!r}")  # fmt: skip
+        scheduling = self.scheduling
+        check(scheduling in SPECULATIVE_SCHEDULING,
+               f"--speculative-scheduling must be one of {SPECULATIVE_SCHEDULING}, got {scheduling!r}")  # fmt: skip
+        k = self.num_speculative_tokens
+        check(1 <= k <= 16, f"--num-speculative-tokens must be in [1, 16], got {k}")
+        if method == "draft":
+            check(bool(draft), "--speculative-method draft needs --draft-model PATH (a GGUF file or HF directory)")
+            check(os.path.exists(draft), f"--draft-model {draft!r} does not exist")
+        else:
+            check(not draft, f"--draft-model is only used with --speculative-method draft, not {method!r}")
+
+    def spec_config(self):
+        """The engine's SpecConfig for these settings."""
+        from moemesh.engine.config import SpecConfig
+
+        return SpecConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
+                          scheduling=self.scheduling, draft_model=self.draft_model)  # fmt: skip
+
+
+def speculation_settings(args) -> SpeculationSettings:
+    return SpeculationSettings(
+        method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        scheduling=args.speculative_scheduling,
+        draft_model=args.draft_model,
+    )
+
+
+def add_speculation_arguments(parser) -> None:
+    """`--speculative-*` and `--draft-model` (moemesh generate, decode / both workers)."""
+    parser.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
+                        help="draft tokens by prompt n-gram lookup or with a draft model (default none)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and round (1-16)")
+    parser.add_argument("--speculative-scheduling", default="confidence", choices=SPECULATIVE_SCHEDULING,
+                        help="verify every draft (fixed) or DSpark's confidence-scheduled prefix (default)")
+    parser.add_argument("--draft-model", default=None, help="draft GGUF / HF dir sharing the target's tokenizer")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str | None = None  # GGUF / HF dir; None: the default SmolLM2
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_gib: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    async_scheduling: bool = True  # execution overlap (off with speculation)
+    max_model_len: int | None = None
+    num_threads: int | None = None  # torch intra-op threads of the engine thread
+    seed: int = 0
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+
+
+@dataclass(frozen=True)
+class ExpertSettings:
+    """Expert workers (role 'expert') and the remote ExpertExecutor of prefill/decode workers."""
+
+    remote: bool = False  # prefill/decode: routed experts run on the expert workers
+    call_timeout_s: float = 10.0  # one RunExperts call
+    retry_down_s: float = 2.0  # a failed expert worker is routed around this long
+    placement_poll_s: float = 0.1  # how often placement versions (and endpoints) are read
+    load_window_s: float = 10.0  # expert worker: telemetry window of token counts
+    release_grace_s: float = 2.0  # expert worker: keep a superseded version this long after its last call
+
+    def __post_init__(self):
+        for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
+            check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str
+    worker_id: str
+    host: str = "0.0.0.0"  # bind address
+    advertise_host: str = "127.0.0.1"  # what the registry publishes
+    grpc_port: int = 50051
+    metrics_port: int | None = 9090  # None: no Prometheus endpoint
+    min_remote_prefill_tokens: int = 64  # decode: prefill remotely only if this many are uncached
+    kv_transfer_timeout_s: float = 30.0
+    kv_chunk_bytes: int = 1 << 20  # well under gRPC's 4 MiB message limit
+    max_queued_requests: int = 256  # decode: more waiting -> RESOURCE_EXHAUSTED (HTTP 429)
+    shutdown_grace_s: float = 10.0
+    mesh: MeshSettings = field(default_factory=MeshSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    expert: ExpertSettings = field(default_factory=ExpertSettings)
+
+    def __post_init__(self):
+        check(self.role in WORKER_ROLES, f"worker role must be one of {WORKER_ROLES}, got {self.role!r}")
+        check(bool(self.worker_id) and ":" not in self.worker_id, f"bad worker id {self.worker_id!r}")
+        check(0 < self.kv_chunk_bytes <= 3 << 20, f"kv_chunk_bytes must be in (0, 3 MiB], got {self.kv_chunk_bytes}")
+        check(self.min_remote_prefill_tokens >= 1, "min_remote_prefill_tokens must be >= 1")
+        spec = self.engine.speculation
+        check(
+            not (self.expert.remote and spec.method != "none" and spec.scheduling == "confidence"),
+            "--speculative-scheduling confidence is not available with remote experts (its cost table is "
+            "measured before the remote executor is installed); use --speculative-scheduling fixed",
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.advertise_host}:{self.grpc_port}"
+
+
+def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings:
+    config = read_config_file(args.config)
+    ports = config.get("ports") or {}
+    role = args.role
+    worker_id = args.worker_id or env.get("POD_NAME") or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    return WorkerSettings(
+        role=role,
+        worker_id=worker_id,
+        host=args.host or "0.0.0.0",
+        advertise_host=args.advertise_host or env.get("POD_IP") or "127.0.0.1",
+        grpc_port=pick(args.grpc_port, ports.get("grpc"), 50051),
+        metrics_port=metrics_port(args, config),
+        min_remote_prefill_tokens=pick(args.min_remote_prefill_tokens, None, 64),
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_chunk_bytes=args.kv_chunk_bytes,
+        max_queued_requests=args.max_queued_requests,
+        mesh=mesh_settings(args, config, env),
+        engine=EngineSettings(
+            model=model_path(args, config),
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_memory_gib=args.kv_memory_gib,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=not args.no_async_scheduling,
+            max_model_len=args.max_model_len,
+            num_threads=args.num_threads,
+            speculation=speculation_settings(args) if role in ("decode", "both") else SpeculationSettings(),
+        ),
+        expert=expert_settings(args, config),
+    )
+
+
+def expert_settings(args, config: dict) -> ExpertSettings:
+    """Remote experts when asked (`--remote-experts`) or when the mesh config lists expert workers."""
+    return ExpertSettings(
+        remote=bool(args.remote_experts or config.get("expert_worker_ids")) and args.role != "expert",
+        call_timeout_s=args.expert_timeout,
+        placement_poll_s=args.placement_poll,
+        load_window_s=args.expert_load_window,
+        release_grace_s=args.replica_release_grace,
+    )
+
+
+
+
+def add_worker_arguments(parser) -> None:
+    worker = parser.add_argument_group("prefill / decode workers")
+    worker.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    worker.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
+    worker.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: by memory)")
+    worker.add_argument("--kv-memory-gib", type=float, default=1.0)
+    worker.add_argument("--max-num-seqs", type=int, default=64)
+    worker.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    worker.add_argument("--no-async-scheduling", action="store_true",
+                        help="run rounds one after another (no execution overlap)")
+    worker.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
+    worker.add_argument("--min-remote-prefill-tokens", type=int, default=None,
+                        help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)")
+    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
+    worker.add_argument("--max-queued-requests", type=int, default=256)
+    add_speculation_arguments(parser.add_argument_group("speculative decoding (decode / both workers)"))
+    expert = parser.add_argument_group("expert workers / remote experts")
+    expert.add_argument("--remote-experts", action="store_true",
+                        help="prefill/decode: run the routed experts on the expert workers of the placement")
+    expert.add_argument("--expert-timeout", type=float, default=ExpertSettings.call_timeout_s,
+                        help="seconds per expert call before the expert worker counts as down")
+    expert.add_argument("--placement-poll", type=float, default=ExpertSettings.placement_poll_s,
+                        help="seconds between reads of the placement version")
+    expert.add_argument("--expert-load-window", type=float, default=ExpertSettings.load_window_s,
+                        help="expert worker: seconds per published window of token counts")
+    expert.add_argument("--replica-release-grace", type=float, default=ExpertSettings.release_grace_s,
+                        help="expert worker: seconds a superseded placement's replicas stay after their last call")
