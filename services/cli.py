@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local cluster on loopback (Redis, router, prefill + decode workers)")
     add_up_arguments(up)
     up.set_defaults(func=_up)
+    fetch = sub.add_parser("fetch-model", help="download a mesh's hf model source into its cache (init container)")
+    fetch.add_argument("--config", required=True, help="mesh config JSON with model.source")
+    fetch.set_defaults(func=_fetch_model)
     from moemesh.common.placement_cli import add_placement_arguments
 
     placement = sub.add_parser("placement", help="expert placements: apply one to a running mesh (two-phase)")
@@ -78,6 +81,22 @@ def _serve(args) -> int:
     except (SettingsError, MoemeshError) as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
+
+
+def _fetch_model(args) -> int:
+    """Exit 0 with the snapshot's path on stdout, or 1 with one line naming the source."""
+    from moemesh.common.model_source import ModelSourceError, fetch_model
+    from moemesh.common.settings import SettingsError, read_config_file
+
+    try:
+        source = (read_config_file(args.config).get("model") or {}).get("source")
+        if source is None:
+            raise ModelSourceError(f"mesh config {args.config!r} has no model.source")
+        print(fetch_model(source), flush=True)
+    except (SettingsError, ModelSourceError) as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _up(args) -> int:
