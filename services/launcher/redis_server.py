@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -36,6 +37,7 @@ class RedisServer:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        os.makedirs(self._dir, exist_ok=True)  # again after a stop(): tests restart Redis
         args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]  # fmt: skip
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -58,3 +60,4 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+        shutil.rmtree(self._dir, ignore_errors=True)
