@@ -135,6 +135,37 @@ def _bounded(
     return desired
 
 
+def _step(
+    history: tuple[Recommendation, ...], events: tuple[ScaleEvent, ...], now: float, current: int, raw: int,
+    telemetry: RoleTelemetry, policy: ScalingPolicy,
+) -> tuple[tuple[Recommendation, ...], tuple[ScaleEvent, ...], int]:
+    """Steps 2-4 for one role: the kept history with ``raw`` added, the kept events, the desired count."""
+    horizon = max(policy.scale_up_window_s, policy.scale_down_window_s)
+    history = (*(r for r in history if now - r.at <= horizon), Recommendation(now, raw))
+    period = max(policy.scale_up_period_s, policy.scale_down_period_s)
+    events = tuple(e for e in events if now - e.at < period)
+    desired = _bounded(current, _stabilise(history, now, current, policy), telemetry, policy, events, now)
+    return history, events, desired
+
+
+def stabilised(
+    state: AutoscalerState, role: str, now: float, current: int, raw: int, telemetry: RoleTelemetry,
+    policy: ScalingPolicy,
+) -> tuple[int, AutoscalerState]:
+    """Steps 2-4 for a role whose raw recommendation comes from elsewhere (the expert workers) and
+    whose changes take several ticks to apply: the caller records each applied change with
+    ``record_scale``, so the rate limits count what was done, not what was wished."""
+    history, events, desired = _step(state.history.get(role, ()), state.events.get(role, ()), now, current, raw,
+                                     telemetry, policy)  # fmt: skip
+    return desired, dataclasses.replace(state, history={**state.history, role: history},
+                                        events={**state.events, role: events})  # fmt: skip
+
+
+def record_scale(state: AutoscalerState, role: str, now: float, delta: int) -> AutoscalerState:
+    events = (*state.events.get(role, ()), ScaleEvent(now, delta))
+    return dataclasses.replace(state, events={**state.events, role: events})
+
+
 def decide(
     state: AutoscalerState,
     now: float,
@@ -149,13 +180,9 @@ def decide(
     desired: dict[str, int] = {}
     for role, policy in policies.items():
         raw = raw_recommendation(current[role], telemetry[role], policy)
-        horizon = max(policy.scale_up_window_s, policy.scale_down_window_s)
-        kept = tuple(r for r in history.get(role, ()) if now - r.at <= horizon)
-        history[role] = (*kept, Recommendation(now, raw))
-        period = max(policy.scale_up_period_s, policy.scale_down_period_s)
-        events[role] = tuple(e for e in events.get(role, ()) if now - e.at < period)
-        stable = _stabilise(history[role], now, current[role], policy)
-        desired[role] = _bounded(current[role], stable, telemetry[role], policy, events[role], now)
+        history[role], events[role], desired[role] = _step(
+            history.get(role, ()), events.get(role, ()), now, current[role], raw, telemetry[role], policy
+        )
     if "prefill" in desired and "decode" in desired:
         desired["prefill"] = _guard_ratio(desired, current, telemetry, policies, ratio)
     for role, replicas in desired.items():
