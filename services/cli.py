@@ -4,6 +4,7 @@
     moemesh serve --role ROLE [--config F]    run one service (router | prefill | decode | both | expert)
     moemesh up [--experts N]                  run a local cluster: Redis, router, prefill, decode (and expert) workers
     moemesh placement apply FILE              apply an expert placement (JSON) to a running mesh
+    moemesh plan --model DIR --gpu-memory M   how many expert pods a model needs, KV tokens per pod
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     placement = sub.add_parser("placement", help="expert placements: apply one to a running mesh (two-phase)")
     add_placement_arguments(placement)
+    from moemesh.plan_cli import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="memory plan: pods a model needs, from config.json (reads no weights)")
+    add_plan_arguments(plan)  # sets func=run_plan
     return parser
 
 
