@@ -23,6 +23,8 @@ from common import print_table  # noqa: E402
 
 PEAK_BYTES_PER_S = 4.3e12  # H200 measured copy bandwidth
 PEAK_FLOPS = 790e12  # H200 measured dense bf16 matmul
+PEAK_FP8_FLOPS = 2 * PEAK_FLOPS  # assumed: the dense fp8 tensor-core rate is twice bf16 (not measured here)
+FP8_HEADERS = ["case", "impl", "median ms", "GB/s", "TFLOP/s", "roofline ms", "% roofline"]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -36,8 +38,13 @@ def bench(fn) -> float:
 def row(case: str, impl: str, seconds: float, num_bytes: float, flops: float) -> list:
     gbs, tflops = num_bytes / seconds / 1e9, flops / seconds / 1e12
     return [
-        case, impl, f"{seconds * 1e3:.3f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:.0f}%",
-        f"{tflops:.1f}", f"{100 * tflops * 1e12 / PEAK_FLOPS:.0f}%",
+        case,
+        impl,
+        f"{seconds * 1e3:.3f}",
+        f"{gbs:.0f}",
+        f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:.0f}%",
+        f"{tflops:.1f}",
+        f"{100 * tflops * 1e12 / PEAK_FLOPS:.0f}%",
     ]
 
 
@@ -100,7 +107,9 @@ def prefill_case(rows: list, num_reqs=8, q_len=2048, heads=32, kv_heads=8, d=128
     rows.append(row(case, "torch sdpa contiguous", bench(sdpa_fn), num_bytes, flops))
 
 
-def moe_case(rows: list, name: str, num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int = 4096) -> None:
+def moe_case(
+    rows: list, name: str, num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int = 4096
+) -> None:
     from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton
 
     x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=DTYPE)  # [num_tokens, hidden]
@@ -122,21 +131,138 @@ def moe_case(rows: list, name: str, num_experts: int, top_k: int, hidden: int, i
     rows.append(row(case, "torch dense same FLOPs", bench(dense_fn), num_bytes, flops))
 
 
+def fp8_row(case: str, impl: str, seconds: float, num_bytes: float, flops: float, peak_flops: float) -> list:
+    roofline = max(num_bytes / PEAK_BYTES_PER_S, flops / peak_flops)
+    return [
+        case,
+        impl,
+        f"{seconds * 1e3:.3f}",
+        f"{num_bytes / seconds / 1e9:.0f}",
+        f"{flops / seconds / 1e12:.1f}",
+        f"{roofline * 1e3:.3f}",
+        f"{100 * roofline / seconds:.0f}%",
+    ]
+
+
+def random_fp8_weight(*shape: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] e4m3 filled one matrix at a time (no fp32 copy of the whole), and its scales."""
+    from moemesh.kernels.fp8 import FP8_DTYPE, cdiv
+
+    *lead, n, k = shape
+    weight = torch.empty(shape, dtype=FP8_DTYPE, device=DEVICE)
+    for matrix in weight.view(-1, n, k):
+        matrix.copy_(torch.randn(n, k, device=DEVICE, dtype=DTYPE).clamp(-448, 448))
+    scale_inv = torch.rand(*lead, cdiv(n, block), cdiv(k, block), device=DEVICE) * k**-0.5 + 0.5 * k**-0.5
+    return weight, scale_inv
+
+
+def bf16_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight in bf16, one matrix at a time."""
+    from moemesh.kernels.fp8 import block_dequant_ref
+
+    n, k = weight.shape[-2:]
+    out = torch.empty(weight.shape, dtype=DTYPE, device=DEVICE)
+    for dst, w, s in zip(out.view(-1, n, k), weight.view(-1, n, k), scale_inv.view(-1, *scale_inv.shape[-2:])):
+        dst.copy_(block_dequant_ref(w, s, dtype=DTYPE))
+    return out
+
+
+def fp8_gemm_case(rows: list, name: str, n: int, k: int, ms=(1, 16, 64, 4096)) -> None:
+    from moemesh.kernels.fp8 import act_quant_triton
+    from moemesh.kernels.fp8_gemm import fp8_gemm_triton, fp8_linear_triton, fp8_linear_w8a8_ref
+
+    weight, scale_inv = random_fp8_weight(n, k)  # [N, K] e4m3, [N / 128, K / 128]
+    w_bf16 = bf16_weight(weight, scale_inv)  # [N, K]
+    for m in ms:
+        x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)  # [M, K]
+        x_q, x_scale = act_quant_triton(x)
+        linear_fn = lambda: fp8_linear_triton(x, weight, scale_inv)  # noqa: E731
+        gemm_fn = lambda: fp8_gemm_triton(x_q, x_scale, weight, scale_inv, DTYPE)  # noqa: E731
+        cublas_fn = lambda: x @ w_bf16.t()  # noqa: E731
+        check(f"fp8 linear {name} M={m}", linear_fn(), fp8_linear_w8a8_ref(x, weight, scale_inv))
+        check(f"fp8 linear {name} M={m} vs bf16", linear_fn(), cublas_fn(), tol=5e-2)
+        flops = 2 * m * n * k
+        act_bytes = m * k * 2 + m * n * 2
+        fp8_bytes = n * k + scale_inv.numel() * 4 + act_bytes
+        case = f"fp8 gemm {name} M={m}"
+        rows.append(fp8_row(case, "triton w8a8 (+act quant)", bench(linear_fn), fp8_bytes, flops, PEAK_FP8_FLOPS))
+        rows.append(fp8_row(case, "triton w8a8 gemm only", bench(gemm_fn), fp8_bytes, flops, PEAK_FP8_FLOPS))
+        rows.append(fp8_row(case, "cublas bf16", bench(cublas_fn), 2 * n * k + act_bytes, flops, PEAK_FLOPS))
+
+
+def fp8_moe_case(rows: list, tokens=(1, 16, 64, 4096), num_experts=256, top_k=8, hidden=7168, inter=2048) -> None:
+    from moemesh.kernels.fp8_moe import fp8_fused_moe_triton, fp8_fused_moe_w8a8_ref
+    from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton
+
+    w13, w13_scale_inv = random_fp8_weight(num_experts, 2 * inter, hidden)  # DeepSeek-V3: 7.5 GB
+    w2, w2_scale_inv = random_fp8_weight(num_experts, hidden, inter)
+    w13_bf16, w2_bf16 = bf16_weight(w13, w13_scale_inv), bf16_weight(w2, w2_scale_inv)  # 22.5 GB together
+    fp8_weights = (w13, w13_scale_inv, w2, w2_scale_inv)
+    for t in tokens:
+        x = torch.randn(t, hidden, device=DEVICE, dtype=DTYPE)  # [num_tokens, hidden]
+        topk_weights, topk_ids = torch.rand(t, num_experts, device=DEVICE).softmax(-1).topk(top_k)
+        topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()  # [num_tokens, top_k]
+        fp8_fn = lambda: fp8_fused_moe_triton(x, *fp8_weights, topk_weights, topk_ids)  # noqa: E731
+        bf16_fn = lambda: fused_moe_triton(x, w13_bf16, w2_bf16, topk_weights, topk_ids)  # noqa: E731
+        cublas_fn = lambda: fused_moe_ref(x, w13_bf16, w2_bf16, topk_weights, topk_ids)  # noqa: E731
+        if t <= 64:
+            check(f"fp8 moe T={t}", fp8_fn(), fp8_fused_moe_w8a8_ref(x, *fp8_weights, topk_weights, topk_ids))
+        check(f"fp8 moe T={t} vs bf16", fp8_fn(), bf16_fn(), tol=5e-2)
+        active = topk_ids.unique().numel()  # experts whose weights must be read
+        flops = 6 * t * top_k * hidden * inter
+        act_bytes = 2 * t * hidden * 2
+        case = f"fp8 moe dsv3 E={num_experts} top{top_k} T={t} ({active} experts)"
+        fp8_bytes = active * (3 * hidden * inter + 4 * (w13_scale_inv[0].numel() + w2_scale_inv[0].numel())) + act_bytes
+        rows.append(fp8_row(case, "triton fp8 fused", bench(fp8_fn), fp8_bytes, flops, PEAK_FP8_FLOPS))
+        rows.append(
+            fp8_row(
+                case, "triton bf16 fused", bench(bf16_fn), active * 6 * hidden * inter + act_bytes, flops, PEAK_FLOPS
+            )
+        )
+        rows.append(
+            fp8_row(
+                case,
+                "cublas bf16 per-expert",
+                bench(cublas_fn),
+                active * 6 * hidden * inter + act_bytes,
+                flops,
+                PEAK_FLOPS,
+            )
+        )
+
+
+def fp8_tables() -> None:
+    print(f"fp8 roofline: {PEAK_BYTES_PER_S / 1e12} TB/s, {PEAK_FP8_FLOPS / 1e12:.0f} TFLOP/s fp8 (assumed 2x bf16)")
+    rows: list = []
+    fp8_gemm_case(rows, "gate_up 4096x7168", 2 * 2048, 7168)
+    fp8_gemm_case(rows, "down 7168x2048", 7168, 2048)
+    fp8_moe_case(rows)
+    print_table(FP8_HEADERS, rows)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU (the Triton kernels are CPU-tested under TRITON_INTERPRET=1)")
+        raise SystemExit(
+            "benchmarks/kernels.py needs a CUDA GPU (the Triton kernels are CPU-tested under TRITON_INTERPRET=1)"
+        )
     try:
         import triton  # noqa: F401
     except ImportError:
         raise SystemExit("benchmarks/kernels.py needs triton: pip install -e '.[kernels]'") from None
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}; ceilings {PEAK_BYTES_PER_S / 1e12} TB/s, {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16")
+    print(
+        f"device: {torch.cuda.get_device_name()}; ceilings {PEAK_BYTES_PER_S / 1e12} TB/s, {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16"
+    )
+    if sys.argv[1:] == ["fp8"]:
+        fp8_tables()
+        return
     rows: list = []
     decode_case(rows)
     prefill_case(rows)
     moe_case(rows, "qwen3-30b-a3b", num_experts=128, top_k=8, hidden=2048, inter=768)
     moe_case(rows, "mixtral-8x7b", num_experts=8, top_k=2, hidden=4096, inter=14336)
     print_table(["case", "impl", "median ms", "GB/s", "% BW", "TFLOP/s", "% bf16 peak"], rows)
+    fp8_tables()
 
 
 if __name__ == "__main__":

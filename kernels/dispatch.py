@@ -8,6 +8,9 @@ CUDA tensors without triton fall back to the references.
 import torch
 
 from moemesh.kernels._triton import HAS_TRITON
+from moemesh.kernels.fp8 import DEFAULT_BLOCK
+from moemesh.kernels.fp8_gemm import fp8_linear_triton, fp8_linear_w8a16_ref
+from moemesh.kernels.fp8_moe import fp8_fused_moe_triton, fp8_fused_moe_w8a16_ref
 from moemesh.kernels.gating import grouped_topk_ref, grouped_topk_triton, topk_softmax_ref, topk_softmax_triton
 from moemesh.kernels.kv_store import store_kv_cache_ref, store_kv_cache_triton
 from moemesh.kernels.mla import mla_decode_attention_ref, mla_decode_attention_triton
@@ -101,8 +104,14 @@ def grouped_topk(
 ):
     fn = grouped_topk_triton if _use_triton(router_logits) else grouped_topk_ref
     return fn(
-        router_logits, top_k, num_expert_group, topk_group, e_score_correction_bias, renormalize,
-        routed_scaling_factor, scoring_func,
+        router_logits,
+        top_k,
+        num_expert_group,
+        topk_group,
+        e_score_correction_bias,
+        renormalize,
+        routed_scaling_factor,
+        scoring_func,
     )
 
 
@@ -111,3 +120,26 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
         return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
     # the routing tensors are tiny: made dense here rather than rejected by the launcher
     return fused_moe_triton(hidden_states, w13, w2, topk_weights.contiguous(), topk_ids.contiguous())
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., K] float16 / bfloat16 / float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale_inv: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32 (DeepSeek-V3 weight_scale_inv)
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> torch.Tensor:  # [..., N] in x.dtype
+    """y = x @ W^T: W8A8 Triton on CUDA, weight-only tile-by-tile torch reference elsewhere."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if _use_triton(x):
+        y = fp8_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale_inv, block)
+    else:
+        y = fp8_linear_w8a16_ref(x2, weight, scale_inv, block)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_fused_moe(hidden_states, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, block=DEFAULT_BLOCK):
+    """fused_moe with block-scaled FP8 expert weights (layouts in fp8_moe.py)."""
+    args = (hidden_states, w13, w13_scale_inv, w2, w2_scale_inv)
+    if not _use_triton(hidden_states):
+        return fp8_fused_moe_w8a16_ref(*args, topk_weights, topk_ids, block)
+    return fp8_fused_moe_triton(*args, topk_weights.contiguous(), topk_ids.contiguous(), block)
