@@ -10,8 +10,8 @@ from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.layers.moe import RoutedExperts
 from moemesh.engine.loader.checkpoint import Checkpoint
 from moemesh.engine.models import get_model_class
-from moemesh.engine.models.moe_model import is_routed_expert_weight
 from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.models.expert_names import is_routed_expert_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

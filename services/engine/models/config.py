@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moemesh.engine.layers.rope_scaling import RopeScaling
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -18,7 +20,7 @@ class TransformerConfig:
     max_position: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None = None
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     bos_token_id: int | None = None
@@ -27,6 +29,7 @@ class TransformerConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> TransformerConfig:
+        """Raises ModelLoadError for a rope_scaling the engine cannot serve."""
         architectures = hf.get("architectures") or ["LlamaForCausalLM"]
         num_heads = hf["num_attention_heads"]
         rope_scaling = hf.get("rope_scaling")
@@ -34,7 +37,7 @@ class TransformerConfig:
         params = hf.get("rope_parameters")  # transformers 5 nests theta and scaling here
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default":
+            if params.get("rope_type", params.get("type", "default")) != "default":
                 rope_scaling = params
         return cls(
             architecture=architectures[0],
@@ -48,7 +51,7 @@ class TransformerConfig:
             max_position=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            rope_scaling=rope_scaling,
+            rope_scaling=RopeScaling.from_hf(rope_scaling, hf),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
             bos_token_id=hf.get("bos_token_id"),

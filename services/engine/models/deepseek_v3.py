@@ -5,7 +5,10 @@ Attention: q = q_proj(x), or q_b_proj(rms(q_a_proj(x))) when `q_lora_rank` is se
 (kv_lora_rank) | k_rope (qk_rope_head_dim, one head shared by all)]; the latent goes through
 kv_a_layernorm. The paged cache stores the normalized latent and the rotated k_rope only (see
 layers/mla_attention.py for the prefill and absorbed decode paths). RoPE rotates interleaved
-pairs when `rope_interleave` (HF's default), the two halves otherwise.
+pairs when `rope_interleave` (HF's default), the two halves otherwise. With YaRN (the released
+checkpoint's rope_scaling) the rotary table holds the YaRN frequencies and cos/sin factor, and
+the softmax scale is multiplied by mscale(factor, mscale_all_dim)^2, as DeepSeek's reference and
+transformers do.
 
 FFN: the first `first_k_dense_replace` layers are dense SwiGLU MLPs; the rest are DeepSeekMoE:
 grouped sigmoid routing with the selection-only `e_score_correction_bias`, -inf group masking,
@@ -21,11 +24,11 @@ import re
 import torch
 from torch import nn
 
-from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.layernorm import RMSNorm
 from moemesh.engine.layers.mla_attention import MLAAttention
 from moemesh.engine.layers.moe import GatingConfig, SparseMoE
+from moemesh.engine.layers.rope_scaling import RopeScaling, yarn_mscale
 from moemesh.engine.layers.rotary import RotaryEmbedding
 from moemesh.engine.models.config import TransformerConfig
 from moemesh.engine.models.llama import LlamaMLP
@@ -62,7 +65,7 @@ class DeepseekV3Attention(nn.Module):
         )
         self.attn = MLAAttention(
             self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank,
-            scale=qk_head_dim**-0.5,
+            scale=qk_head_dim**-0.5 * _softmax_scale_factor(cfg.rope_scaling),
         )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -79,11 +82,16 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.num_heads * self.v_head_dim))
 
 
+def _softmax_scale_factor(scaling: RopeScaling | None) -> float:
+    """DeepSeek's YaRN correction of the softmax scale: mscale(factor, mscale_all_dim)^2 when the
+    checkpoint sets mscale_all_dim (on top of the cos/sin factor the rotary table holds)."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
 class DeepseekV3ForCausalLM(MoEForCausalLM):
     def read_moe_config(self, hf: dict) -> int:
-        rope_kind = (self.cfg.rope_scaling or {}).get("rope_type", "default")
-        if rope_kind not in ("default", "linear", "llama3"):
-            raise ModelLoadError(f"DeepSeek-V3 with rope type {rope_kind!r} (e.g. YaRN) is not supported yet")
         num_experts = hf["n_routed_experts"]
         self.gating = GatingConfig(
             num_experts,

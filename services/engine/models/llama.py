@@ -1,4 +1,5 @@
-"""Llama: GQA attention with RoPE, RMSNorm, SwiGLU MLP, optionally tied embeddings.
+"""Llama: GQA attention with RoPE (layers/gqa_attention.py), RMSNorm, SwiGLU MLP, optionally
+tied embeddings, on the shared decoder stack (models/decoder_model.py).
 
 Serving-only forward over a flattened varlen batch: `forward(input_ids, positions, meta)`.
 q/k/v and gate/up projections are merged into one matmul each; `load_weights` maps the Hugging
@@ -16,30 +17,9 @@ from moemesh.engine.layers.activation import SiluAndMul
 from moemesh.engine.layers.attention import Attention
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.decoder_layer import DecoderLayer
-from moemesh.engine.layers.layernorm import RMSNorm
-from moemesh.engine.layers.rotary import RotaryEmbedding
+from moemesh.engine.layers.gqa_attention import GQAAttention
 from moemesh.engine.models.config import TransformerConfig
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(o.reshape(-1, self.q_size))
+from moemesh.engine.models.decoder_model import DecoderModel, copy_weight
 
 
 class LlamaMLP(nn.Module):
@@ -51,24 +31,6 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, LlamaAttention(cfg), LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
-            for _ in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, meta):
-        hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,7 +46,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg)
+        layers = [
+            DecoderLayer(cfg, GQAAttention(cfg), LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
+            for _ in range(cfg.num_layers)
+        ]
+        self.model = DecoderModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -113,25 +79,15 @@ class LlamaForCausalLM(nn.Module):
                     shards.setdefault(target, {})[shard] = tensor
                     break
             else:
-                _copy(params, name, tensor)
+                copy_weight(params, name, tensor)
                 loaded.add(name)
         for target, parts in shards.items():
             num_parts = 3 if ".qkv_proj." in target else 2
             missing = [i for i in range(num_parts) if i not in parts]
             if missing:
                 raise ValueError(f"checkpoint lacks shard(s) {missing} of {target}")
-            _copy(params, target, torch.cat([parts[i] for i in range(num_parts)], dim=0))
+            copy_weight(params, target, torch.cat([parts[i] for i in range(num_parts)], dim=0))
             loaded.add(target)
         unloaded = set(params) - loaded
         if unloaded:
             raise ValueError(f"checkpoint lacks weights for: {sorted(unloaded)[:8]}")
-
-
-def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-    if name not in params:
-        raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    param = params[name]
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)

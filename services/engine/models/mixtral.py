@@ -7,8 +7,8 @@ from __future__ import annotations
 from torch import nn
 
 from moemesh.engine.errors import ModelLoadError
+from moemesh.engine.layers.gqa_attention import GQAAttention
 from moemesh.engine.layers.moe import GatingConfig, SparseMoE
-from moemesh.engine.models.llama import LlamaAttention
 from moemesh.engine.models.moe_model import MoEForCausalLM
 
 
@@ -30,7 +30,7 @@ class MixtralForCausalLM(MoEForCausalLM):
         return True
 
     def make_attention(self, layer: int) -> nn.Module:
-        return LlamaAttention(self.cfg)
+        return GQAAttention(self.cfg)
 
     def make_mlp(self, layer: int, moe_layer: int | None) -> nn.Module:
         return SparseMoE(moe_layer, self.cfg.hidden_size, self.cfg.intermediate_size, self.gating, self.moe_runtime)

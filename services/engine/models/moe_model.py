@@ -1,21 +1,18 @@
-"""What the MoE architectures share: the pre-norm decoder stack, the MoE runtime (expert
-executor + load counters) and checkpoint loading with each family's expert weight names.
+"""What the MoE architectures share: the MoE runtime (expert executor + load counters) on the
+shared decoder stack (models/decoder_model.py), and checkpoint loading with each family's
+expert weight names.
 
 A subclass says how to build layer i's attention (`make_attention`) and FFN (`make_mlp`: a
 dense `LlamaMLP` or a `SparseMoE`), which HF name fragments merge into one parameter
 (`stacked_params`) and which rename (`renames`).
 
-Expert weights in a checkpoint, all mapped onto `experts.w13` / `experts.w2`:
-- per expert (what transformers 5.24 `save_pretrained` writes, and the released checkpoints):
-  `...experts.{e}.{gate_proj|w1}.weight` -> w13[e, :I], `{up_proj|w3}` -> w13[e, I:],
-  `{down_proj|w2}` -> w2[e];
-- fused 3-D (transformers' in-memory layout): `...experts.gate_up_proj` [E, 2I, H] -> w13,
-  `...experts.down_proj` [E, H, I] -> w2.
+Routed-expert tensors (names parsed by models/expert_names.py) all map onto `experts.w13` /
+`experts.w2`: per expert, gate -> w13[e, :I], up -> w13[e, I:], down -> w2[e]; fused 3-D,
+`gate_up_proj` [E, 2I, H] -> w13 and `down_proj` [E, H, I] -> w2.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -25,34 +22,12 @@ from moemesh.engine.expert_load import ExpertLoadCounter
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertPlacement, LocalExpertExecutor
-from moemesh.engine.layers.layernorm import RMSNorm
 from moemesh.engine.layers.moe import MoERuntime, SparseMoE
 from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.models.decoder_model import DecoderModel, copy_weight
+from moemesh.engine.models.expert_names import parse_expert_weight_name
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def is_routed_expert_weight(name: str) -> bool:
-    """A checkpoint tensor of the routed experts (per-expert or fused), not shared experts."""
-    return bool(_PER_EXPERT.match(name) or _FUSED_EXPERTS.match(name))
-_EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
-                 "down_proj": ("w2", None), "w2": ("w2", None)}  # fmt: skip
-
-
-class MoEModel(nn.Module):
-    def __init__(self, cfg: TransformerConfig, layers: list[DecoderLayer]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions, meta):
-        hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+_EXPERT_SHARD = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}  # per-expert part -> (param, shard)
 
 
 class MoEForCausalLM(nn.Module):
@@ -74,7 +49,7 @@ class MoEForCausalLM(nn.Module):
         for i in range(cfg.num_layers):
             moe_layer = moe_layer_ids.index(i) if i in moe_layer_ids else None
             layers.append(DecoderLayer(cfg, self.make_attention(i), self.make_mlp(i, moe_layer)))
-        self.model = MoEModel(cfg, layers)
+        self.model = DecoderModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         experts = [moe.experts for moe in self.moe_layers()]
         placement = ExpertPlacement.identity(max(1, len(experts)), num_experts)
@@ -139,14 +114,14 @@ class MoEForCausalLM(nn.Module):
                     shards.setdefault(name.replace(fragment, merged), {})[shard] = tensor
                     break
             else:
-                _copy(params, name, tensor)
+                copy_weight(params, name, tensor)
                 loaded.add(name)
         for target, parts in shards.items():
             num_parts = 1 + max(s for merged, s in self.stacked_params.values() if merged in target)
             missing = [i for i in range(num_parts) if i not in parts]
             if missing:
                 raise ValueError(f"checkpoint lacks shard(s) {missing} of {target}")
-            _copy(params, target, torch.cat([parts[i] for i in range(num_parts)], dim=0))
+            copy_weight(params, target, torch.cat([parts[i] for i in range(num_parts)], dim=0))
             loaded.add(target)
         for target, parts in expert_parts.items():
             num_experts = params[target].shape[0]
@@ -161,39 +136,30 @@ class MoEForCausalLM(nn.Module):
 
     @staticmethod
     def _load_expert_weight(params, name: str, tensor: torch.Tensor, expert_parts: dict[str, set]) -> bool:
-        if m := _PER_EXPERT.match(name):
-            prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            which, shard = _EXPERT_SHARD[proj]
-            target = f"{prefix}.{which}"
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            param = params[target]
-            if expert >= param.shape[0]:
-                raise ValueError(f"weight {name!r} names expert {expert}; the model has {param.shape[0]}")
-            rows = param.shape[1] // 2 if shard is not None else param.shape[1]
-            expected = (rows, param.shape[2])
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {expected}")
-            start = 0 if shard in (None, 0) else rows
-            with torch.no_grad():
-                param[expert, start : start + rows].copy_(tensor)
-            expert_parts.setdefault(target, set()).add((expert, shard))
-            return True
-        if m := _FUSED_EXPERTS.match(name):
-            target = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
-            _copy(params, target, tensor)
+        parsed = parse_expert_weight_name(name)
+        if parsed is None:
+            return False
+        if parsed.expert is None:  # fused: all experts at once
+            target = f"{parsed.prefix}.{'w13' if parsed.part == 'gate_up' else 'w2'}"
+            copy_weight(params, target, tensor)
             num_experts = params[target].shape[0]
             shards = (0, 1) if target.endswith(".w13") else (None,)
             expert_parts.setdefault(target, set()).update((e, s) for e in range(num_experts) for s in shards)
             return True
-        return False
-
-
-def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-    if name not in params:
-        raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    param = params[name]
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)
+        expert = parsed.expert
+        which, shard = _EXPERT_SHARD[parsed.part]
+        target = f"{parsed.prefix}.{which}"
+        if target not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        param = params[target]
+        if expert >= param.shape[0]:
+            raise ValueError(f"weight {name!r} names expert {expert}; the model has {param.shape[0]}")
+        rows = param.shape[1] // 2 if shard is not None else param.shape[1]
+        expected = (rows, param.shape[2])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {expected}")
+        start = 0 if shard in (None, 0) else rows
+        with torch.no_grad():
+            param[expert, start : start + rows].copy_(tensor)
+        expert_parts.setdefault(target, set()).add((expert, shard))
+        return True

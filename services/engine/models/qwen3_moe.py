@@ -4,51 +4,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from moemesh import kernels
-from moemesh.engine.layers.attention import Attention
-from moemesh.engine.layers.attention_metadata import AttentionMetadata
+from moemesh.engine.layers.gqa_attention import GQAAttention
 from moemesh.engine.layers.moe import GatingConfig, SparseMoE
-from moemesh.engine.layers.rotary import RotaryEmbedding
-from moemesh.engine.models.config import TransformerConfig
 from moemesh.engine.models.llama import LlamaMLP
 from moemesh.engine.models.moe_model import MoEForCausalLM
-
-
-class Qwen3MoeAttention(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.eps = cfg.rms_norm_eps
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = _HeadNorm(self.head_dim)
-        self.k_norm = _HeadNorm(self.head_dim)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = kernels.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps)  # per head
-        k = kernels.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(o.reshape(-1, self.q_size))
-
-
-class _HeadNorm(nn.Module):
-    """Holds the per-head RMSNorm weight (HF `q_norm.weight` / `k_norm.weight`)."""
-
-    def __init__(self, head_dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(head_dim))
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
@@ -76,7 +37,7 @@ class Qwen3MoeForCausalLM(MoEForCausalLM):
         )
 
     def make_attention(self, layer: int) -> nn.Module:
-        return Qwen3MoeAttention(self.cfg)
+        return GQAAttention(self.cfg, qk_norm=True)
 
     def make_mlp(self, layer: int, moe_layer: int | None) -> nn.Module:
         if moe_layer is None:

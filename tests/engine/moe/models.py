@@ -16,14 +16,14 @@ def _common(**kw) -> dict:
                 **kw)  # fmt: skip
 
 
-def build_qwen3_moe():
+def build_qwen3_moe(**overrides):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     # 4 layers: layer 1 is dense (mlp_only_layers); top-4 of 16 experts, renormalized.
     config = Qwen3MoeConfig(**_common(
         intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-    ))  # fmt: skip
+    ) | overrides)  # fmt: skip
     return Qwen3MoeForCausalLM(config)
 
 
@@ -36,7 +36,7 @@ def build_mixtral():
     return MixtralForCausalLM(config)
 
 
-def build_deepseek_v3(q_lora_rank: int | None = 48):
+def build_deepseek_v3(q_lora_rank: int | None = 48, **overrides):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     # 3 layers: layer 0 dense, then two MoE layers; 16 experts in 4 groups, 2 groups kept, top-4.
@@ -45,7 +45,7 @@ def build_deepseek_v3(q_lora_rank: int | None = 48):
         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    ))  # fmt: skip
+    ) | overrides)  # fmt: skip
     model = DeepseekV3ForCausalLM(config)
     set_correction_biases(model)
     return model
