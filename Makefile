@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench venv clean
+.PHONY: run test lint bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/moemesh up
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

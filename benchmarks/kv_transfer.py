@@ -22,18 +22,17 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import print_table  # noqa: E402
-
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
+from common import print_table  # noqa: E402
 
 from moemesh.common.grpc_util import ChannelPool  # noqa: E402
-from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
-from moemesh.worker.kv_client import GrpcKVTransport  # noqa: E402
 from moemesh.engine.kv_transfer import KVLayout, RemotePrefillTask  # noqa: E402
 from moemesh.engine.loader import default_model_path, open_checkpoint  # noqa: E402
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
 from moemesh.proto.convert import layout_to_proto  # noqa: E402
 from moemesh.proto.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc  # noqa: E402
+from moemesh.worker.kv_client import GrpcKVTransport  # noqa: E402
 
 # SmolLM2-135M: 30 layers x K,V x 3 KV heads x 64 dims, float32
 LAYOUT_SHAPES = ((3, 64),) * 60
@@ -60,7 +59,9 @@ async def stream_once(endpoint: str, prompt: list[int], layout: KVLayout, chunk_
         return time.perf_counter() - header_at, received, header_at - started
 
 
-async def fetch_once(transport: GrpcKVTransport, endpoint: str, prompt: list[int], layout: KVLayout) -> tuple[float, int]:
+async def fetch_once(
+    transport: GrpcKVTransport, endpoint: str, prompt: list[int], layout: KVLayout
+) -> tuple[float, int]:
     task = RemotePrefillTask(endpoint, f"bench-{random.random()}", prompt,
                              common_pb2.SamplingParams(temperature=0.0, max_tokens=1), 0, layout, 120.0)  # fmt: skip
     started = time.perf_counter()
@@ -111,7 +112,15 @@ def main() -> None:
             cluster.stop()
             redis.stop()
     print(f"KV transfer prefill -> decode over loopback gRPC, chunks of {args.chunk_mib} MiB, best of {args.repeats}")
-    headers = ["prompt tokens", "KV MiB", "to header ms", "stream ms", "stream GB/s", "end to end ms", "end to end GB/s"]
+    headers = [
+        "prompt tokens",
+        "KV MiB",
+        "to header ms",
+        "stream ms",
+        "stream GB/s",
+        "end to end ms",
+        "end to end GB/s",
+    ]
     print_table(headers, rows)
     print("target: >= 1 GB/s")
 

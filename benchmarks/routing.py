@@ -28,12 +28,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import openai  # noqa: E402
 from common import TOPICS, print_table  # noqa: E402
 
-import openai  # noqa: E402
-
-from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
 from moemesh.engine.loader import default_model_path, open_checkpoint  # noqa: E402
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 BLOCK = 16
@@ -108,11 +107,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=384, help="KV blocks per worker (8 prefixes need 520)")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
-                        help="per-step token budget (chunked prefill: cache hits need not wait for a long miss)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="per-step token budget (chunked prefill: cache hits need not wait for a long miss)",
+    )
     parser.add_argument("--disaggregated", action="store_true", help="add a prefill worker")
-    parser.add_argument("--prefill-weight", type=float, default=None,
-                        help="kv_aware: weight of prefill blocks (default: the router's, 2)")
+    parser.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=None,
+        help="kv_aware: weight of prefill blocks (default: the router's, 2)",
+    )
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     args = parser.parse_args()
     tokenizer = open_checkpoint(default_model_path()).tokenizer

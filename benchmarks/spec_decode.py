@@ -33,9 +33,14 @@ PASSAGE = (
 WORKLOADS = {
     "repetitive": [
         [{"role": "user", "content": f"Rewrite this passage word for word, without changes:\n\n{PASSAGE}"}],
-        [{"role": "user", "content": "Rename the variable x to count in this code and print it back:\n\n"
-          "def total(items):\n    x = 0\n    for item in items:\n        x += item.price * item.quantity\n"
-          "    return x\n"}],
+        [
+            {
+                "role": "user",
+                "content": "Rename the variable x to count in this code and print it back:\n\n"
+                "def total(items):\n    x = 0\n    for item in items:\n        x += item.price * item.quantity\n"
+                "    return x\n",
+            }
+        ],
     ],
     "open-ended": [
         [{"role": "user", "content": "Write a short story about a robot learning to paint."}],
@@ -68,13 +73,19 @@ def main() -> None:
         "none": SpecConfig(),
         f"ngram fixed k={k}": SpecConfig(method="ngram", scheduling="fixed", num_speculative_tokens=k),
         f"ngram confidence k<={k}": SpecConfig(method="ngram", scheduling="confidence", num_speculative_tokens=k),
-        f"draft itself fixed k={k}": SpecConfig(method="draft", draft_model=model, scheduling="fixed",
-                                                num_speculative_tokens=k),  # fmt: skip
-        f"draft {layers}/30 layers fixed k={k}": SpecConfig(method="draft", draft_model=model, draft_num_layers=layers,
-                                                           scheduling="fixed", num_speculative_tokens=k),  # fmt: skip
+        f"draft itself fixed k={k}": SpecConfig(
+            method="draft", draft_model=model, scheduling="fixed", num_speculative_tokens=k
+        ),  # fmt: skip
+        f"draft {layers}/30 layers fixed k={k}": SpecConfig(
+            method="draft", draft_model=model, draft_num_layers=layers, scheduling="fixed", num_speculative_tokens=k
+        ),  # fmt: skip
         f"draft {layers}/30 layers confidence k<={k}": SpecConfig(
-            method="draft", draft_model=model, draft_num_layers=layers, scheduling="confidence",
-            num_speculative_tokens=k),  # fmt: skip
+            method="draft",
+            draft_model=model,
+            draft_num_layers=layers,
+            scheduling="confidence",
+            num_speculative_tokens=k,
+        ),  # fmt: skip
     }
     results: dict[tuple[str, str], tuple[float, list[list[int]], SpecStats]] = {}
     for name, spec in configs.items():  # one engine per configuration, both workloads

@@ -196,7 +196,7 @@ if HAS_TRITON:
         else:
             group_scores = top1
         kept = groups < 0  # no group kept yet
-        for i in tl.static_range(TOPK_GROUP):
+        for _ in tl.static_range(TOPK_GROUP):
             free = group_valid & (kept == 0)
             best = tl.max(tl.where(free, group_scores, float("-inf")), 0)
             pick = tl.min(tl.where(free & (group_scores == best), groups, BLOCK_G), 0)
@@ -247,10 +247,17 @@ def topk_softmax_triton(
     weights, ids = _outputs(router_logits, top_k)
     if num_tokens > 0:
         launch(
-            _topk_softmax_kernel, (num_tokens,),
-            router_logits, weights, ids, router_logits.stride(0),
-            NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=bool(renormalize),
-            BLOCK_E=next_pow2(num_experts), BLOCK_K=next_pow2(top_k),
+            _topk_softmax_kernel,
+            (num_tokens,),
+            router_logits,
+            weights,
+            ids,
+            router_logits.stride(0),
+            NUM_EXPERTS=num_experts,
+            TOP_K=top_k,
+            RENORMALIZE=bool(renormalize),
+            BLOCK_E=next_pow2(num_experts),
+            BLOCK_K=next_pow2(top_k),
         )
     return weights, ids
 
@@ -279,11 +286,23 @@ def grouped_topk_triton(
     weights, ids = _outputs(router_logits, top_k)
     if num_tokens > 0:
         launch(
-            _grouped_topk_kernel, (num_tokens,),
-            router_logits, router_logits if bias is None else bias.contiguous(), weights, ids,
-            router_logits.stride(0), float(routed_scaling_factor),
-            NUM_GROUPS=num_expert_group, EXPERTS_PER_GROUP=experts_per_group, TOPK_GROUP=topk_group, TOP_K=top_k,
-            HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize), SIGMOID=scoring_func == "sigmoid",
-            BLOCK_G=next_pow2(num_expert_group), BLOCK_EG=next_pow2(experts_per_group), BLOCK_K=next_pow2(top_k),
+            _grouped_topk_kernel,
+            (num_tokens,),
+            router_logits,
+            router_logits if bias is None else bias.contiguous(),
+            weights,
+            ids,
+            router_logits.stride(0),
+            float(routed_scaling_factor),
+            NUM_GROUPS=num_expert_group,
+            EXPERTS_PER_GROUP=experts_per_group,
+            TOPK_GROUP=topk_group,
+            TOP_K=top_k,
+            HAS_BIAS=bias is not None,
+            RENORMALIZE=bool(renormalize),
+            SIGMOID=scoring_func == "sigmoid",
+            BLOCK_G=next_pow2(num_expert_group),
+            BLOCK_EG=next_pow2(experts_per_group),
+            BLOCK_K=next_pow2(top_k),
         )
     return weights, ids

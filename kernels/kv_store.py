@@ -77,7 +77,9 @@ def store_kv_cache_triton(
     name = "store_kv_cache_triton"
     check_launchable(name, key, value, k_cache, v_cache, slot_mapping)
     if k_cache.dim() != 4:
-        raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(k_cache.shape)}")
+        raise ValueError(
+            f"{name}: k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(k_cache.shape)}"
+        )
     num_tokens = key.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
@@ -98,7 +100,15 @@ def store_kv_cache_triton(
     block = min(next_pow2(token_size), 1024)
     grid = (num_tokens, triton.cdiv(token_size, block))
     launch(
-        _store_kv_cache_kernel, grid,
-        key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-        TOKEN_SIZE=token_size, BLOCK=block,
+        _store_kv_cache_kernel,
+        grid,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        TOKEN_SIZE=token_size,
+        BLOCK=block,
     )

@@ -40,7 +40,9 @@ def _latent_cache(kv_cache: torch.Tensor) -> torch.Tensor:  # [num_blocks, block
     if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
         return kv_cache.squeeze(2)
     if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], got {list(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [num_blocks, block_size, kv_lora_rank + rope_dim], got {list(kv_cache.shape)}"
+        )
     return kv_cache
 
 
@@ -114,11 +116,13 @@ if HAS_TRITON:
         req64 = req.to(tl.int64)
         q_l = tl.load(
             q_latent_ptr + req64 * q_latent_req_stride + heads[:, None] * q_latent_head_stride + lat[None, :],
-            mask=head_mask[:, None] & lat_mask[None, :], other=0.0,
+            mask=head_mask[:, None] & lat_mask[None, :],
+            other=0.0,
         )  # [BLOCK_H, BLOCK_L]
         q_r = tl.load(
             q_rope_ptr + req64 * q_rope_req_stride + heads[:, None] * q_rope_head_stride + rot[None, :],
-            mask=head_mask[:, None] & rot_mask[None, :], other=0.0,
+            mask=head_mask[:, None] & rot_mask[None, :],
+            other=0.0,
         )  # [BLOCK_H, BLOCK_R]
         if UPCAST_DOT:
             q_l = q_l.to(tl.float32)
@@ -154,7 +158,8 @@ if HAS_TRITON:
         out_row = (req * NUM_HEADS + heads).to(tl.int64) * num_partitions + part  # [BLOCK_H]
         tl.store(partial_lse_ptr + out_row, lse, mask=head_mask)
         tl.store(
-            partial_out_ptr + out_row[:, None] * LORA_RANK + lat[None, :], out,
+            partial_out_ptr + out_row[:, None] * LORA_RANK + lat[None, :],
+            out,
             mask=head_mask[:, None] & lat_mask[None, :],
         )
 
@@ -183,7 +188,9 @@ def mla_decode_attention_triton(
     rope_dim = kv_cache.shape[2] - kv_lora_rank
     check_shape(name, "q_rope", q_rope, (num_reqs, num_heads, None))
     if rope_dim < 1 or q_rope.shape[2] != rope_dim:
-        raise ValueError(f"{name}: kv_cache rows ({kv_cache.shape[2]}) must be kv_lora_rank ({kv_lora_rank}) + rope dim ({q_rope.shape[2]})")
+        raise ValueError(
+            f"{name}: kv_cache rows ({kv_cache.shape[2]}) must be kv_lora_rank ({kv_lora_rank}) + rope dim ({q_rope.shape[2]})"
+        )
     check_dtype(name, "q_latent", q_latent, (torch.float16, torch.bfloat16, torch.float32))
     for what, t in (("q_rope", q_rope), ("kv_cache", kv_cache)):
         if t.dtype != q_latent.dtype:
@@ -208,18 +215,44 @@ def mla_decode_attention_triton(
     partial_out = scratch((num_reqs, num_heads, num_partitions, kv_lora_rank), torch.float32, q_latent.device)
     partial_lse = scratch((num_reqs, num_heads, num_partitions), torch.float32, q_latent.device)
     launch(
-        _mla_decode_partition_kernel, (num_reqs, triton.cdiv(num_heads, block_h), num_partitions),
-        q_latent, q_rope, kv_cache, block_tables, context_lens, partial_out, partial_lse, float(scale),
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
+        _mla_decode_partition_kernel,
+        (num_reqs, triton.cdiv(num_heads, block_h), num_partitions),
+        q_latent,
+        q_rope,
+        kv_cache,
+        block_tables,
+        context_lens,
+        partial_out,
+        partial_lse,
+        float(scale),
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        block_tables.stride(0),
         num_partitions,
-        NUM_HEADS=num_heads, LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_SIZE=block_size,
-        PARTITION_SIZE=partition_size, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, next_pow2(rope_dim)),
-        BLOCK_N=min(32, partition_size), UPCAST_DOT=upcast_dot(q_latent.dtype),
-        DOT_PRECISION=dot_precision(q_latent.dtype), num_warps=8 if block_l >= 256 else 4,
+        NUM_HEADS=num_heads,
+        LORA_RANK=kv_lora_rank,
+        ROPE_DIM=rope_dim,
+        BLOCK_SIZE=block_size,
+        PARTITION_SIZE=partition_size,
+        BLOCK_H=block_h,
+        BLOCK_L=block_l,
+        BLOCK_R=max(16, next_pow2(rope_dim)),
+        BLOCK_N=min(32, partition_size),
+        UPCAST_DOT=upcast_dot(q_latent.dtype),
+        DOT_PRECISION=dot_precision(q_latent.dtype),
+        num_warps=8 if block_l >= 256 else 4,
     )
     launch(
-        _paged_decode_reduce_kernel, (num_reqs * num_heads,),
-        partial_out, partial_lse, out, num_partitions,
-        HEAD_DIM=kv_lora_rank, BLOCK_P=next_pow2(num_partitions), BLOCK_D=block_l,
+        _paged_decode_reduce_kernel,
+        (num_reqs * num_heads,),
+        partial_out,
+        partial_lse,
+        out,
+        num_partitions,
+        HEAD_DIM=kv_lora_rank,
+        BLOCK_P=next_pow2(num_partitions),
+        BLOCK_D=block_l,
     )
     return out

@@ -208,7 +208,11 @@ if HAS_TRITON:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         weight = tl.load(topk_weights_ptr + entries, mask=row_valid, other=0.0)
         out_ptrs = entry_out_ptr + entries[:, None] * HIDDEN + cols[None, :]
-        tl.store(out_ptrs, (acc * weight[:, None]).to(entry_out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+        tl.store(
+            out_ptrs,
+            (acc * weight[:, None]).to(entry_out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & col_valid[None, :],
+        )
 
     @triton.jit
     def _moe_combine_kernel(
@@ -278,32 +282,77 @@ def fused_moe_triton(
     expert_ends = scratch((num_experts,), torch.int32, device)  # [num_experts]
     num_padded = scratch((1,), torch.int32, device)  # [1] padded length actually used
     launch(
-        _moe_align_kernel, (1,),
-        topk_ids, sorted_entries, expert_ends, num_padded, num_entries,
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_N=64 if block_e <= 256 else 32,
+        _moe_align_kernel,
+        (1,),
+        topk_ids,
+        sorted_entries,
+        expert_ends,
+        num_padded,
+        num_entries,
+        NUM_EXPERTS=num_experts,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        BLOCK_N=64 if block_e <= 256 else 32,
     )
     num_m_blocks = triton.cdiv(max_num_padded, block_m)
     gemm = dict(
-        NUM_EXPERTS=num_experts, HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_E=block_e,
-        UPCAST_DOT=upcast_dot(dtype), DOT_PRECISION=dot_precision(dtype),
+        NUM_EXPERTS=num_experts,
+        HIDDEN=hidden,
+        INTER=inter,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        UPCAST_DOT=upcast_dot(dtype),
+        DOT_PRECISION=dot_precision(dtype),
     )
     act = scratch((num_entries, inter), dtype, device)  # [num_entries, intermediate]
     block_n, block_k = min(128, max(16, next_pow2(inter))), min(64, max(16, next_pow2(hidden)))
     launch(
-        _moe_gate_up_kernel, (num_m_blocks, triton.cdiv(inter, block_n)),
-        hidden_states, w13, act, sorted_entries, expert_ends, num_padded, num_entries, hidden_states.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3, **gemm,
+        _moe_gate_up_kernel,
+        (num_m_blocks, triton.cdiv(inter, block_n)),
+        hidden_states,
+        w13,
+        act,
+        sorted_entries,
+        expert_ends,
+        num_padded,
+        num_entries,
+        hidden_states.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=8,
+        num_stages=3,
+        **gemm,
     )
     entry_out = scratch((num_entries, hidden), dtype, device)  # [num_entries, hidden]
     block_n, block_k = min(128, max(16, next_pow2(hidden))), min(64, max(16, next_pow2(inter)))
     launch(
-        _moe_down_kernel, (num_m_blocks, triton.cdiv(hidden, block_n)),
-        act, w2, topk_weights, entry_out, sorted_entries, expert_ends, num_padded, num_entries,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3, **gemm,
+        _moe_down_kernel,
+        (num_m_blocks, triton.cdiv(hidden, block_n)),
+        act,
+        w2,
+        topk_weights,
+        entry_out,
+        sorted_entries,
+        expert_ends,
+        num_padded,
+        num_entries,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=8,
+        num_stages=3,
+        **gemm,
     )
     block = min(1024, next_pow2(hidden))
     launch(
-        _moe_combine_kernel, (num_tokens, triton.cdiv(hidden, block)),
-        entry_out, topk_ids, out, NUM_EXPERTS=num_experts, TOP_K=top_k, HIDDEN=hidden, BLOCK=block,
+        _moe_combine_kernel,
+        (num_tokens, triton.cdiv(hidden, block)),
+        entry_out,
+        topk_ids,
+        out,
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        HIDDEN=hidden,
+        BLOCK=block,
     )
     return out

@@ -89,9 +89,19 @@ def _rms_norm_launch(name, x, residual, weight, eps):
     summed = scratch(tuple(x.shape), x.dtype, x.device) if residual is not None else out
     if rows.shape[0] > 0:
         launch(
-            _rms_norm_kernel, (rows.shape[0],),
-            rows, res_rows, weight.contiguous(), out, summed, rows.stride(0), res_rows.stride(0), float(eps),
-            HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
+            _rms_norm_kernel,
+            (rows.shape[0],),
+            rows,
+            res_rows,
+            weight.contiguous(),
+            out,
+            summed,
+            rows.stride(0),
+            res_rows.stride(0),
+            float(eps),
+            HIDDEN=hidden,
+            BLOCK=next_pow2(hidden),
+            HAS_RESIDUAL=residual is not None,
             num_warps=8 if hidden >= 4096 else 4,
         )
     return out, summed

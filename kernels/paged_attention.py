@@ -84,7 +84,7 @@ def paged_prefill_attention_ref(
     block_tables: torch.Tensor,  # [num_reqs, max_num_blocks] int32
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros_like(query)
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -186,7 +186,9 @@ if HAS_TRITON:
         lse = tl.where(has_tokens, m + tl.log(tl.where(has_tokens, l, 1.0)), float("-inf"))
         row = (req * GROUP * NUM_KV_HEADS + heads).to(tl.int64) * num_partitions + part  # [BLOCK_H]
         tl.store(partial_lse_ptr + row, lse, mask=head_mask)
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None] & dim_mask[None, :])
+        tl.store(
+            partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None] & dim_mask[None, :]
+        )
 
     @triton.jit
     def _paged_decode_reduce_kernel(
@@ -289,7 +291,9 @@ if HAS_TRITON:
 def _check_paged_inputs(name, query, k_cache, v_cache, block_tables, context_lens, num_reqs) -> None:
     check_launchable(name, query, k_cache, v_cache, block_tables, context_lens)
     if k_cache.dim() != 4:
-        raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(k_cache.shape)}")
+        raise ValueError(
+            f"{name}: k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(k_cache.shape)}"
+        )
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     check_shape(name, "v_cache", v_cache, tuple(k_cache.shape))
     check_shape(name, "query", query, (None, None, head_dim))
@@ -338,17 +342,41 @@ def paged_decode_attention_triton(
     partial_out = scratch((num_reqs, num_heads, num_partitions, head_dim), torch.float32, query.device)
     partial_lse = scratch((num_reqs, num_heads, num_partitions), torch.float32, query.device)
     launch(
-        _paged_decode_partition_kernel, (num_reqs, num_kv_heads, num_partitions),
-        query, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse, float(scale),
-        query.stride(0), query.stride(1), block_tables.stride(0), num_partitions,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        PARTITION_SIZE=partition_size, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=min(64, partition_size), UPCAST_DOT=upcast_dot(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        _paged_decode_partition_kernel,
+        (num_reqs, num_kv_heads, num_partitions),
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        partial_out,
+        partial_lse,
+        float(scale),
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        num_partitions,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        PARTITION_SIZE=partition_size,
+        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=min(64, partition_size),
+        UPCAST_DOT=upcast_dot(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
     )
     launch(
-        _paged_decode_reduce_kernel, (num_reqs * num_heads,),
-        partial_out, partial_lse, out, num_partitions,
-        HEAD_DIM=head_dim, BLOCK_P=next_pow2(num_partitions), BLOCK_D=block_d,
+        _paged_decode_reduce_kernel,
+        (num_reqs * num_heads,),
+        partial_out,
+        partial_lse,
+        out,
+        num_partitions,
+        HEAD_DIM=head_dim,
+        BLOCK_P=next_pow2(num_partitions),
+        BLOCK_D=block_d,
     )
     return out
 
@@ -383,18 +411,36 @@ def paged_prefill_attention_triton(
         if starts[0] != 0 or starts[-1] != num_tokens or min(q_lens, default=0) < 0:
             raise ValueError(f"{name}: cu_seqlens_q must rise from 0 to num_tokens={num_tokens}, got {starts}")
         if any(q > c for q, c in zip(q_lens, lens)):
-            raise ValueError(f"{name}: a request has more new tokens than context: q_lens {q_lens}, context_lens {lens}")
+            raise ValueError(
+                f"{name}: a request has more new tokens than context: q_lens {q_lens}, context_lens {lens}"
+            )
         max_q_len = max(q_lens, default=0)
     out = check_out(name, out, query, (num_tokens, num_heads, head_dim))
     if num_tokens == 0 or max_q_len == 0:
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     launch(
-        _paged_prefill_kernel, (num_reqs, triton.cdiv(max_q_len, block_m), num_heads),
-        query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, float(scale),
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=max(16, next_pow2(head_dim)),
-        UPCAST_DOT=upcast_dot(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
+        _paged_prefill_kernel,
+        (num_reqs, triton.cdiv(max_q_len, block_m), num_heads),
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        out,
+        float(scale),
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        UPCAST_DOT=upcast_dot(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
     )
     return out

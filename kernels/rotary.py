@@ -99,10 +99,20 @@ def _rotate_triton(name, positions, x, cos_sin_cache, is_neox_style):
     out = scratch(tuple(x.shape), x.dtype, x.device)  # [num_tokens, num_heads, head_dim]
     if num_tokens > 0:
         launch(
-            _rotary_embedding_kernel, (num_tokens,),
-            positions, x, cos_sin_cache, out, x.stride(0), x.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROTARY_DIM=cos_sin_cache.shape[1], IS_NEOX=bool(is_neox_style),
-            BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+            _rotary_embedding_kernel,
+            (num_tokens,),
+            positions,
+            x,
+            cos_sin_cache,
+            out,
+            x.stride(0),
+            x.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            ROTARY_DIM=cos_sin_cache.shape[1],
+            IS_NEOX=bool(is_neox_style),
+            BLOCK_H=next_pow2(num_heads),
+            BLOCK_D=next_pow2(head_dim),
         )
     return out
 
