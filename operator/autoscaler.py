@@ -122,8 +122,12 @@ def _stabilise(history: tuple[Recommendation, ...], now: float, current: int, po
 
 
 def _bounded(
-    current: int, desired: int, telemetry: RoleTelemetry, policy: ScalingPolicy,
-    events: tuple[ScaleEvent, ...], now: float,
+    current: int,
+    desired: int,
+    telemetry: RoleTelemetry,
+    policy: ScalingPolicy,
+    events: tuple[ScaleEvent, ...],
+    now: float,
 ) -> int:
     added = sum(e.delta for e in events if e.delta > 0 and now - e.at < policy.scale_up_period_s)
     removed = -sum(e.delta for e in events if e.delta < 0 and now - e.at < policy.scale_down_period_s)
@@ -136,8 +140,13 @@ def _bounded(
 
 
 def _step(
-    history: tuple[Recommendation, ...], events: tuple[ScaleEvent, ...], now: float, current: int, raw: int,
-    telemetry: RoleTelemetry, policy: ScalingPolicy,
+    history: tuple[Recommendation, ...],
+    events: tuple[ScaleEvent, ...],
+    now: float,
+    current: int,
+    raw: int,
+    telemetry: RoleTelemetry,
+    policy: ScalingPolicy,
 ) -> tuple[tuple[Recommendation, ...], tuple[ScaleEvent, ...], int]:
     """Steps 2-4 for one role: the kept history with ``raw`` added, the kept events, the desired count."""
     horizon = max(policy.scale_up_window_s, policy.scale_down_window_s)
@@ -149,7 +158,12 @@ def _step(
 
 
 def stabilised(
-    state: AutoscalerState, role: str, now: float, current: int, raw: int, telemetry: RoleTelemetry,
+    state: AutoscalerState,
+    role: str,
+    now: float,
+    current: int,
+    raw: int,
+    telemetry: RoleTelemetry,
     policy: ScalingPolicy,
 ) -> tuple[int, AutoscalerState]:
     """Steps 2-4 for a role whose raw recommendation comes from elsewhere (the expert workers) and

@@ -1,12 +1,14 @@
 """Operator configuration: the only place that reads environment variables.
 
-    MOEMESH_REDIS_URL            default Redis of meshes without spec.redis.url
-                                 (the chart's managed Redis)
-    MOEMESH_REDIS_PASSWORD       its password (the chart injects it from the Redis Secret)
-    MOEMESH_REDIS_SECRET_NAME    Secret/key that worker pods of such meshes read the password from
-    MOEMESH_REDIS_SECRET_KEY
-    MOEMESH_TICK_SECONDS         how often the telemetry timer runs per mesh (default 15)
-    MOEMESH_DEFAULT_IMAGE        services image when spec.image is not set
+MOEMESH_REDIS_URL            default Redis of meshes without spec.redis.url
+                             (the chart's managed Redis)
+MOEMESH_REDIS_PASSWORD       its password (the chart injects it from the Redis Secret)
+MOEMESH_REDIS_SECRET_NAME    Secret/key that worker pods of such meshes read the password from
+MOEMESH_REDIS_SECRET_KEY
+MOEMESH_TICK_SECONDS         how often the telemetry timer runs per mesh (default 15)
+MOEMESH_DEFAULT_IMAGE        services image when spec.image is not set
+MOEMESH_WATCH_NAMESPACE      read by the image's entrypoint, not here: set, the operator runs
+                             ``kopf run --namespace=NS`` (namespaced RBAC); empty, ``--all-namespaces``
 """
 
 from __future__ import annotations

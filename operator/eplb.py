@@ -11,6 +11,10 @@ description:
 - global policy (otherwise): the same with one group and one node: replicate over all slots and
   pack all replicas onto all workers.
 
+``plan_deepseek`` is that policy as published; ``plan_from_scratch`` (what the operator uses)
+refines it with ``moemesh.operator.eplb_refine``: replica swaps and replica re-counts that lower
+each layer's most loaded worker without adding slots or moving a replica to another node.
+
 Every step is vectorised over rows (layers, or layers x nodes), so planning 61 layers x 256
 experts x 288 slots costs a few milliseconds. Slot s belongs to worker ``s // slots_per_worker``
 and workers ``[n * workers_per_node, (n + 1) * workers_per_node)`` form node n.
@@ -24,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from moemesh.operator.eplb_refine import refine_rows
 
 
 class EplbError(ValueError):
@@ -59,11 +65,7 @@ class EplbLayout:
     @property
     def hierarchical(self) -> bool:
         """Groups divide evenly over nodes (and experts/slots over nodes)."""
-        return (
-            self.num_groups % self.num_nodes == 0
-            and self.num_slots % self.num_nodes == 0
-            and self.num_nodes > 1
-        )
+        return self.num_groups % self.num_nodes == 0 and self.num_slots % self.num_nodes == 0 and self.num_nodes > 1
 
     @property
     def slot_worker(self) -> np.ndarray:
@@ -197,14 +199,45 @@ def validate_load(weight: np.ndarray, layout: EplbLayout) -> np.ndarray:
     return array
 
 
-def plan_from_scratch(weight: np.ndarray, layout: EplbLayout) -> Plan:
-    """Replicate and place every layer's experts from ``weight`` [num_layers, num_experts]."""
+def plan_deepseek(weight: np.ndarray, layout: EplbLayout) -> Plan:
+    """DeepSeek's EPLB policy, unrefined: the baseline ``plan_from_scratch`` improves on."""
     weight = validate_load(weight, layout)
     if layout.hierarchical:
         phy2log = _place_hierarchical(weight, layout, layout.num_groups, layout.num_nodes)
     else:
         phy2log = _place_hierarchical(weight, layout, 1, 1)
     return make_plan(weight, phy2log, layout)
+
+
+def refine_placement(
+    weight: np.ndarray,  # [num_layers, num_experts]
+    phy2log: np.ndarray,  # [num_layers, num_slots]
+    layout: EplbLayout,
+    stop_at: np.ndarray | None = None,  # [num_layers] stop a layer once its max worker load is <= this
+) -> np.ndarray:
+    """[num_layers, num_slots] ``phy2log`` with a lower (never higher) max worker load per layer.
+
+    Same slots per worker; replicas only move and re-count inside their node (hierarchical
+    policy), so a placement whose groups each sit on one node keeps them there."""
+    num_layers = weight.shape[0]
+    num_nodes = layout.num_nodes if layout.hierarchical else 1
+    rows = refine_rows(
+        np.repeat(weight, num_nodes, axis=0),  # [num_layers * num_nodes, num_experts]
+        phy2log.reshape(num_layers * num_nodes, -1),  # [num_layers * num_nodes, slots_per_node]
+        layout.slots_per_worker,
+        stop_at=None if stop_at is None else np.repeat(stop_at, num_nodes),
+    )
+    return rows.reshape(num_layers, layout.num_slots)
+
+
+def plan_from_scratch(weight: np.ndarray, layout: EplbLayout) -> Plan:
+    """Replicate and place every layer's experts from ``weight`` [num_layers, num_experts].
+
+    DeepSeek's policy (``plan_deepseek``) then ``refine_placement``: never a higher max worker
+    load than DeepSeek's plan in any layer, under the same slot and group/node constraints."""
+    weight = validate_load(weight, layout)
+    baseline = plan_deepseek(weight, layout)
+    return make_plan(weight, refine_placement(weight, baseline.phy2log, layout), layout)
 
 
 def make_plan(weight: np.ndarray, phy2log: np.ndarray, layout: EplbLayout) -> Plan:

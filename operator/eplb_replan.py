@@ -22,9 +22,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moemesh.operator.eplb import EplbError, EplbLayout, Plan, make_plan, plan_from_scratch, validate_load
+from moemesh.operator.eplb import (
+    EplbError,
+    EplbLayout,
+    Plan,
+    make_plan,
+    plan_deepseek,
+    refine_placement,
+    validate_load,
+    worker_loads,
+)
 
 _EPS = 1e-9
+_TOLERANCE = 0.005  # re-planning stops once a layer's max worker load is within 0.5 % of scratch's
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,14 +57,23 @@ def count_moves(old_phy2log: np.ndarray, new_phy2log: np.ndarray, layout: EplbLa
     return int(np.maximum(new - old, 0).sum())
 
 
-def _node_counts(phy2log: np.ndarray, layout: EplbLayout) -> np.ndarray:
+def _layer_moves(old_phy2log: np.ndarray, new_phy2log: np.ndarray, layout: EplbLayout) -> np.ndarray:
+    """[num_layers] ``count_moves`` of each layer."""
+    num_layers = old_phy2log.shape[0]
+    base = (np.arange(num_layers)[:, None] * layout.num_workers + layout.slot_worker) * layout.num_experts
+    size = num_layers * layout.num_workers * layout.num_experts
+    old = np.bincount((base + old_phy2log).ravel(), minlength=size)
+    new = np.bincount((base + new_phy2log).ravel(), minlength=size)
+    return np.maximum(new - old, 0).reshape(num_layers, -1).sum(axis=1)
+
+
+def _node_counts(phy2log: np.ndarray, num_nodes: int, num_experts: int) -> np.ndarray:
     """[num_layers, num_nodes, num_experts] replicas of each expert on each node."""
-    num_layers = phy2log.shape[0]
-    num_nodes = layout.num_nodes
-    node = layout.slot_worker // (layout.num_workers // num_nodes)
-    index = (np.arange(num_layers)[:, None] * num_nodes + node) * layout.num_experts + phy2log
-    counts = np.bincount(index.ravel(), minlength=num_layers * num_nodes * layout.num_experts)
-    return counts.reshape(num_layers, num_nodes, layout.num_experts)
+    num_layers, num_slots = phy2log.shape
+    node = np.arange(num_slots) // (num_slots // num_nodes)
+    index = (np.arange(num_layers)[:, None] * num_nodes + node) * num_experts + phy2log
+    counts = np.bincount(index.ravel(), minlength=num_layers * num_nodes * num_experts)
+    return counts.reshape(num_layers, num_nodes, num_experts)
 
 
 def _relabel_nodes(demand: np.ndarray, current: np.ndarray) -> np.ndarray:
@@ -62,74 +81,61 @@ def _relabel_nodes(demand: np.ndarray, current: np.ndarray) -> np.ndarray:
     num_layers, num_nodes, _ = demand.shape
     if num_nodes == 1:
         return demand
+    layers = np.arange(num_layers)
+    overlap = np.minimum(demand[:, :, None, :], current[:, None, :, :]).sum(-1).astype(np.float64)  # [L, N, N]
+    target = np.empty((num_layers, num_nodes), dtype=np.int64)  # current node of each scratch node
+    for _ in range(num_nodes):
+        scratch_node, current_node = np.divmod(np.argmax(overlap.reshape(num_layers, -1), axis=1), num_nodes)
+        target[layers, scratch_node] = current_node
+        overlap[layers, scratch_node, :] = -1.0
+        overlap[layers, :, current_node] = -1.0
     relabelled = np.empty_like(demand)
-    for layer in range(num_layers):
-        overlap = np.minimum(demand[layer][:, None, :], current[layer][None, :, :]).sum(-1)
-        overlap = overlap.astype(np.float64)
-        for _ in range(num_nodes):
-            scratch_node, current_node = np.unravel_index(np.argmax(overlap), overlap.shape)
-            relabelled[layer, current_node] = demand[layer, scratch_node]
-            overlap[scratch_node, :] = -1.0
-            overlap[:, current_node] = -1.0
+    relabelled[layers[:, None], target] = demand
     return relabelled
 
 
-def _replan_node(
-    per_replica: np.ndarray,  # [num_experts] tokens per replica under the new demand
-    current: np.ndarray,  # [node_slots] experts now held by the node's slots
-    demand: np.ndarray,  # [num_experts] replicas wanted on this node
+def _keep_and_fill(
+    per_replica: np.ndarray,  # [R, E] tokens per replica under the new demand
+    current: np.ndarray,  # [R, S] experts now held by each row's slots
+    demand: np.ndarray,  # [R, E] replicas wanted in each row
     slots_per_worker: int,
-    target_max: float,
 ) -> np.ndarray:
-    """[node_slots] new experts of the node's slots (see module doc, steps 2-3)."""
-    num_slots = current.shape[0]
-    order = np.argsort(current, kind="stable")
-    sorted_experts = current[order]
-    occurrence = np.empty(num_slots, dtype=np.int64)
-    occurrence[order] = np.arange(num_slots) - np.searchsorted(sorted_experts, sorted_experts)
-    keep = occurrence < demand[current]
-    new = np.where(keep, current, -1)
-    worker = np.arange(num_slots) // slots_per_worker
+    """[R, S]: every current replica still wanted stays; freed slots take the missing replicas,
+    heaviest first, on the least loaded worker with a free slot (preferring one without a copy)."""
+    num_rows, num_slots = current.shape
+    num_experts = demand.shape[1]
     num_workers = num_slots // slots_per_worker
-    loads = np.bincount(worker[keep], weights=per_replica[current[keep]], minlength=num_workers)
+    rows = np.arange(num_rows)
+    key = (current + rows[:, None] * num_experts).ravel()
+    order = np.argsort(key, kind="stable")
+    occurrence = np.empty(key.size, dtype=np.int64)
+    occurrence[order] = np.arange(key.size) - np.searchsorted(key[order], key[order])
+    keep = occurrence.reshape(num_rows, num_slots) < np.take_along_axis(demand, current, axis=1)
+    new = np.where(keep, current, -1)
+    slot_load = np.where(keep, np.take_along_axis(per_replica, current, axis=1), 0.0)
+    loads = slot_load.reshape(num_rows, num_workers, slots_per_worker).sum(-1)  # [R, W]
 
-    missing = demand - np.bincount(current[keep], minlength=demand.shape[0])
-    to_place = np.repeat(np.arange(demand.shape[0]), missing)
-    for expert in to_place[np.argsort(-per_replica[to_place], kind="stable")]:
-        free = new == -1
-        has_free = np.bincount(worker[free], minlength=num_workers) > 0
-        holds = np.bincount(worker[new == expert], minlength=num_workers) > 0
-        score = np.where(has_free, loads + np.where(holds, np.inf, 0.0), np.inf)
-        if not np.isfinite(score).any():
-            score = np.where(has_free, loads, np.inf)
-        target = int(np.argmin(score))
-        slot = int(np.flatnonzero(free & (worker == target))[0])
-        new[slot] = expert
-        loads[target] += per_replica[expert]
-
-    for _ in range(num_slots):
-        heavy = int(np.argmax(loads))
-        if loads[heavy] <= target_max * (1 + 1e-6) + _EPS:
-            break
-        heavy_slots = np.flatnonzero(worker == heavy)
-        best = None
-        for light in np.argsort(loads):
-            if light == heavy:
-                continue
-            light_slots = np.flatnonzero(worker == light)
-            delta = per_replica[new[heavy_slots]][:, None] - per_replica[new[light_slots]][None, :]
-            peak = np.maximum(loads[heavy] - delta, loads[light] + delta)
-            peak = np.where(delta > _EPS, peak, np.inf)
-            i, j = np.unravel_index(np.argmin(peak), peak.shape)
-            if peak[i, j] < loads[heavy] - _EPS:
-                best = (heavy_slots[i], light_slots[j], int(light), delta[i, j])
-                break
-        if best is None:
-            break
-        slot_a, slot_b, light, delta = best
-        new[slot_a], new[slot_b] = new[slot_b], new[slot_a]
-        loads[heavy] -= delta
-        loads[light] += delta
+    kept = np.bincount((np.where(keep, current, 0) + rows[:, None] * num_experts)[keep], minlength=demand.size)
+    missing = demand.ravel() - kept  # [R * E]
+    to_place = np.repeat(np.arange(demand.size), np.maximum(missing, 0))  # row * E + expert, grouped by row
+    row_of = to_place // num_experts
+    expert_of = to_place % num_experts
+    heaviest_first = np.lexsort((-per_replica.ravel()[to_place], row_of))
+    row_of, expert_of = row_of[heaviest_first], expert_of[heaviest_first]
+    rank = np.arange(row_of.size) - np.searchsorted(row_of, row_of)  # position in its row's queue
+    for step in range(int(rank.max(initial=-1)) + 1):
+        pick = rank == step
+        r, expert = row_of[pick], expert_of[pick]
+        by_worker = new[r].reshape(r.size, num_workers, slots_per_worker)
+        free = by_worker == -1
+        has_free = free.any(-1)  # [n, W]
+        holds = (by_worker == expert[:, None, None]).any(-1)
+        score = np.where(has_free, loads[r], np.inf)
+        score = np.where(holds & (has_free & ~holds).any(-1, keepdims=True), np.inf, score)
+        worker = np.argmin(score, axis=1)
+        slot = worker * slots_per_worker + np.argmax(free[np.arange(r.size), worker], axis=1)
+        new[r, slot] = expert
+        loads[r, worker] += per_replica[r, expert]
     return new
 
 
@@ -142,35 +148,38 @@ def replan(weight: np.ndarray, layout: EplbLayout, current_phy2log: np.ndarray) 
             f"current placement shape {current_phy2log.shape} does not match "
             f"[{weight.shape[0]}, {layout.num_slots}]; plan from scratch instead"
         )
-    scratch = plan_from_scratch(weight, layout)
-    scratch_moves = count_moves(current_phy2log, scratch.phy2log, layout)
+    if current_phy2log.min() < 0 or current_phy2log.max() >= layout.num_experts:
+        raise EplbError(f"current placement holds expert ids outside [0, {layout.num_experts})")
+    num_layers = weight.shape[0]
+    baseline = plan_deepseek(weight, layout)
+    scratch = make_plan(weight, refine_placement(weight, baseline.phy2log, layout), layout)
+    scratch_layer_moves = _layer_moves(current_phy2log, scratch.phy2log, layout)
     current_plan = make_plan(weight, current_phy2log, layout)
 
     num_nodes = layout.num_nodes if layout.hierarchical else 1
-    node_layout = EplbLayout(layout.num_experts, layout.num_slots, layout.num_workers, 1, num_nodes)
-    demand = _node_counts(scratch.phy2log, node_layout)
-    demand = _relabel_nodes(demand, _node_counts(current_phy2log, node_layout))
-    replica_counts = demand.sum(axis=1)  # [num_layers, num_experts]
-    per_replica = weight / np.maximum(replica_counts, 1)
-    slots_per_node = layout.num_slots // num_nodes
-    target_max = scratch.worker_loads.max(axis=1)
+    demand = _node_counts(scratch.phy2log, num_nodes, layout.num_experts)
+    demand = _relabel_nodes(demand, _node_counts(current_phy2log, num_nodes, layout.num_experts))
+    per_replica = weight / np.maximum(demand.sum(axis=1), 1)  # [num_layers, num_experts]
+    filled = _keep_and_fill(
+        np.repeat(per_replica, num_nodes, axis=0),
+        current_phy2log.reshape(num_layers * num_nodes, -1),
+        demand.reshape(num_layers * num_nodes, -1),
+        layout.slots_per_worker,
+    ).reshape(num_layers, -1)
+    baseline_max = baseline.worker_loads.max(axis=1)
+    target = np.minimum(scratch.worker_loads.max(axis=1) * (1 + _TOLERANCE), baseline_max)
+    phy2log = refine_placement(weight, filled, layout, stop_at=target)
 
-    phy2log = np.empty_like(current_phy2log)
-    for layer in range(weight.shape[0]):
-        for node in range(num_nodes):
-            span = slice(node * slots_per_node, (node + 1) * slots_per_node)
-            phy2log[layer, span] = _replan_node(
-                per_replica[layer],
-                current_phy2log[layer, span],
-                demand[layer, node],
-                layout.slots_per_worker,
-                float(target_max[layer]),
-            )
-    plan = make_plan(weight, phy2log, layout)
-    moves = count_moves(current_phy2log, phy2log, layout)
-    if moves > scratch_moves or (moves == scratch_moves and plan.imbalance > scratch.imbalance):
-        plan, moves = scratch, scratch_moves
-    return Replan(plan, moves, scratch, scratch_moves, current_plan.imbalance)
+    # per layer: the re-plan if it is no worse than DeepSeek's plan and moves no more than
+    # scratch, else the scratch plan.
+    layer_moves = _layer_moves(current_phy2log, phy2log, layout)
+    layer_max = worker_loads(weight, phy2log, layout).max(axis=1)
+    use = (layer_max <= baseline_max * (1 + _EPS)) & (layer_moves <= scratch_layer_moves)
+    phy2log = np.where(use[:, None], phy2log, scratch.phy2log)
+    moves = int(np.where(use, layer_moves, scratch_layer_moves).sum())
+    return Replan(
+        make_plan(weight, phy2log, layout), moves, scratch, int(scratch_layer_moves.sum()), current_plan.imbalance
+    )
 
 
 def should_publish(current_imbalance: float, new_imbalance: float, threshold: float) -> bool:

@@ -67,14 +67,18 @@ def manifests_roles() -> tuple[str, ...]:
     return ("router", "prefill", "decode", "expert")
 
 
-async def _redis_client(memo: kopf.Memo, kube: KubeApi, mesh: MeshSpec, namespace: str, config: OperatorConfig) -> redis.Redis:
+async def _redis_client(
+    memo: kopf.Memo, kube: KubeApi, mesh: MeshSpec, namespace: str, config: OperatorConfig
+) -> redis.Redis:
     url, _ = _redis_target(mesh, config)
     password = config.redis_password if not mesh.redis.url else None
     if mesh.redis.url and mesh.redis.password_secret_name:
         password = await kube.secret_value(namespace, mesh.redis.password_secret_name, mesh.redis.password_secret_key)
     clients: dict[tuple[str, str | None], redis.Redis] = memo.redis_clients
     if (url, password) not in clients:
-        clients[(url, password)] = redis.Redis.from_url(url, password=password, socket_timeout=5, socket_connect_timeout=5)
+        clients[(url, password)] = redis.Redis.from_url(
+            url, password=password, socket_timeout=5, socket_connect_timeout=5
+        )
     return clients[(url, password)]
 
 
@@ -105,16 +109,28 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
-    async def reconcile(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, uid: str,
-                        meta: kopf.Meta, memo: kopf.Memo, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    async def reconcile(
+        spec: kopf.Spec,
+        status: kopf.Status,
+        name: str,
+        namespace: str,
+        uid: str,
+        meta: kopf.Meta,
+        memo: kopf.Memo,
+        patch: kopf.Patch,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
         conditions = status.get("conditions")
         try:
             mesh = parse_spec(dict(spec), config.default_image)
         except SpecError as exc:
             logger.error(f"invalid InferenceMesh spec: {exc}")
             conditions = set_condition(conditions, "SpecValid", False, "InvalidSpec", str(exc))
-            conditions = set_condition(conditions, "Ready", False, "InvalidSpec", "fix the spec; children were not changed")
-            patch.status.update(conditions=_record_owned(memo, conditions, RECONCILE_CONDITIONS),
+            conditions = set_condition(
+                conditions, "Ready", False, "InvalidSpec", "fix the spec; children were not changed"
+            )
+            patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
                                 observedGeneration=meta.get("generation"))  # fmt: skip
             return
         redis_url, secret = _redis_target(mesh, config)
@@ -127,12 +143,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         except KubeError as exc:
             raise kopf.TemporaryError(f"applying children failed: {exc}", delay=15) from exc
         conditions = set_condition(conditions, "SpecValid", True, "Valid", "spec accepted")
-        conditions = set_condition(conditions, "Ready", True, "Reconciled", f"{len(children)} children applied")
-        patch.status.update(conditions=_record_owned(memo, conditions, RECONCILE_CONDITIONS),
+        conditions = set_condition(conditions, "Applied", True, "Reconciled", f"{len(children)} children applied")
+        if not any(c.get("type") == "Ready" for c in conditions):  # the timer reports it from the children
+            conditions = set_condition(conditions, "Ready", False, "Starting", "no pod of the mesh is ready yet")
+        patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
                             observedGeneration=meta.get("generation"))  # fmt: skip
 
     @kopf.on.delete(*RESOURCE, registry=registry)
-    async def delete(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    async def delete(
+        spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    ) -> None:
         for role in manifests_roles():
             for kind in (WORKLOAD_KIND[role], "Service", "PodDisruptionBudget"):
                 await memo.kube.delete(kind, namespace, f"{name}-{role}")
@@ -146,8 +166,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             logger.warning(f"placement keys not deleted (they stay until Redis is flushed): {exc}")
 
     @kopf.timer(*RESOURCE, interval=config.tick_seconds, registry=registry)
-    async def tick(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str,
-                   memo: kopf.Memo, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    async def tick(
+        spec: kopf.Spec,
+        status: kopf.Status,
+        name: str,
+        namespace: str,
+        meta: kopf.Meta,
+        memo: kopf.Memo,
+        patch: kopf.Patch,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
         try:
             mesh = parse_spec(dict(spec), config.default_image)
         except SpecError:
@@ -156,18 +185,33 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         now = memo.clock()
         conditions = status.get("conditions")
         try:
+            observed = await _observed_replicas(memo.kube, name, namespace)
+        except KubeError as exc:
+            raise kopf.TemporaryError(f"reading the children failed: {exc}", delay=15) from exc
+        ok, reason, message = readiness(observed)
+        conditions = set_condition(conditions, "Ready", ok, reason, message)
+        try:
             client = await _redis_client(memo, memo.kube, mesh, namespace, config)
             workers = await asyncio.to_thread(list_workers, client, mesh_key)
             async with _mesh_lock(memo):
                 roles = await _autoscale(mesh, name, namespace, memo, workers, now)
+            for role, (replicas, ready) in observed.items():
+                roles.setdefault(role, {}).update(replicas=replicas, readyReplicas=ready)
             patch.status["roles"] = roles
+            patch.status["selector"] = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=decode"
             layout = mesh.expert_layout
             if mesh.eplb.enabled and layout is not None:
                 plan_due = now - memo.get("last_plan_at", -math.inf) >= mesh.eplb.interval_s
                 outcome = await asyncio.to_thread(
-                    rebalance_step, client, mesh_key, layout, mesh.model.num_moe_layers,
+                    rebalance_step,
+                    client,
+                    mesh_key,
+                    layout,
+                    mesh.model.num_moe_layers,
                     manifests.expert_worker_ids(name, layout.num_workers),
-                    mesh.eplb.imbalance_threshold, plan_due, time.time,
+                    mesh.eplb.imbalance_threshold,
+                    plan_due,
+                    time.time,
                 )
                 if outcome.planned:
                     memo.last_plan_at = now
@@ -176,8 +220,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 patch.status["placementVersion"] = outcome.active_version
                 patch.status["pendingPlacementVersion"] = outcome.pending_version
                 if outcome.imbalance_before is not None:
-                    patch.status["imbalance"] = {"before": round(outcome.imbalance_before, 4),
-                                                 "after": round(outcome.imbalance_after, 4)}
+                    patch.status["imbalance"] = {
+                        "before": round(outcome.imbalance_before, 4),
+                        "after": round(outcome.imbalance_after, 4),
+                    }
                     patch.status["lastReplicaMoves"] = outcome.moves
             conditions = set_condition(conditions, "TelemetryAvailable", True, "RedisReachable", "telemetry read")
         except redis.RedisError as exc:
@@ -185,14 +231,46 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             conditions = set_condition(conditions, "TelemetryAvailable", False, "RedisUnreachable", str(exc))
         except KubeError as exc:
             raise kopf.TemporaryError(f"scaling failed: {exc}", delay=15) from exc
-        patch.status["conditions"] = _record_owned(memo, conditions, TIMER_CONDITIONS)
+        patch.status["conditions"] = _stamp(_record_owned(memo, conditions, TIMER_CONDITIONS), meta)
 
 
-RECONCILE_CONDITIONS = ("SpecValid", "Ready")
-TIMER_CONDITIONS = ("TelemetryAvailable",)
+RECONCILE_CONDITIONS = ("SpecValid", "Applied", "Ready")
+TIMER_CONDITIONS = ("TelemetryAvailable", "Ready")
 
 
-def _record_owned(memo: kopf.Memo, conditions: list[dict[str, Any]], owned_types: tuple[str, ...]) -> list[dict[str, Any]]:
+def _stamp(conditions: list[dict[str, Any]], meta: kopf.Meta) -> list[dict[str, Any]]:
+    """Every condition says which generation of the spec it describes."""
+    return [{**c, "observedGeneration": meta.get("generation")} for c in conditions]
+
+
+async def _observed_replicas(kube: KubeApi, name: str, namespace: str) -> dict[str, tuple[int, int]]:
+    """role -> (spec.replicas, status.readyReplicas) of each child workload, as the cluster reports it."""
+    observed = {}
+    for role in manifests_roles():
+        live = await kube.get(WORKLOAD_KIND[role], namespace, f"{name}-{role}")
+        if live is not None:
+            observed[role] = (int((live.get("spec") or {}).get("replicas", 0)),
+                              int((live.get("status") or {}).get("readyReplicas") or 0))  # fmt: skip
+    return observed
+
+
+def readiness(observed: dict[str, tuple[int, int]]) -> tuple[bool, str, str]:
+    """Ready = every workload has its ready pods and a router is ready (it is only once a decode
+    worker is routable: its readiness probe is /health)."""
+    missing = [role for role in manifests_roles() if role not in observed]
+    if missing:
+        return False, "ChildrenMissing", f"no {', '.join(missing)} workload yet"
+    waiting = [f"{role} {ready}/{replicas}" for role, (replicas, ready) in observed.items() if ready < replicas]
+    if waiting:
+        return False, "PodsNotReady", "waiting for ready pods: " + ", ".join(waiting)
+    if observed["router"][1] < 1:
+        return False, "NoRouter", "no router pod is ready"
+    return True, "Serving", "every role has its ready pods"
+
+
+def _record_owned(
+    memo: kopf.Memo, conditions: list[dict[str, Any]], owned_types: tuple[str, ...]
+) -> list[dict[str, Any]]:
     """Remember this handler's conditions in the object's memo and return the full list with the
     other handler's latest ones merged in (see operator/status.py)."""
     owned = memo.setdefault("owned_conditions", {})
@@ -202,8 +280,9 @@ def _record_owned(memo: kopf.Memo, conditions: list[dict[str, Any]], owned_types
     return merge_owned(conditions, owned.values())
 
 
-async def _autoscale(mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo,
-                     workers: list, now: float) -> dict[str, dict[str, int]]:
+async def _autoscale(
+    mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo, workers: list, now: float
+) -> dict[str, dict[str, int]]:
     """Patch router/prefill/decode replicas when autoscaling is on; returns status.roles."""
     current: dict[str, int] = {}
     for role in manifests_roles():
@@ -211,8 +290,10 @@ async def _autoscale(mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo,
         if live is not None:
             current[role] = int((live.get("spec") or {}).get("replicas", 0))
     roles = {role: {"desiredReplicas": replicas} for role, replicas in current.items()}
-    ready = {role: sum(1 for w in workers if w.role in (role, "both" if role == "decode" else role))
-             for role in manifests_roles()}
+    ready = {
+        role: sum(1 for w in workers if w.role in (role, "both" if role == "decode" else role))
+        for role in manifests_roles()
+    }
     if mesh.autoscaling.enabled and len(current) == len(manifests_roles()):  # reconciled already
         state = memo.get("autoscaler", AutoscalerState())
         desired, _, memo.autoscaler = scale_step(state, now, mesh, current, workers)
@@ -221,5 +302,5 @@ async def _autoscale(mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo,
                 await memo.kube.patch("Deployment", namespace, f"{name}-{role}", {"spec": {"replicas": replicas}})
             roles[role]["desiredReplicas"] = replicas
     for role in manifests_roles():
-        roles.setdefault(role, {})["readyReplicas"] = ready[role]
+        roles.setdefault(role, {})["registeredReplicas"] = ready[role]  # in the registry (heartbeating)
     return roles

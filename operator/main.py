@@ -1,4 +1,4 @@
-"""Entry point: ``kopf run -m moemesh.operator.main --all-namespaces``.
+"""Entry point: ``kopf run -m moemesh.operator.main --all-namespaces`` (or ``--namespace=NS``).
 
 Importing this module registers the operator's handlers into kopf's default registry with the
 configuration from the environment (see ``moemesh.operator.config``).

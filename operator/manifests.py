@@ -31,6 +31,11 @@ METRICS_PORT = 9090
 CONFIG_PATH = "/etc/moemesh/mesh.json"
 
 Manifest = dict[str, Any]
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 
 def mesh_id(namespace: str, name: str) -> str:
@@ -83,13 +88,15 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
         "mesh": mesh_id(namespace, name),
         "model": {
             "name": spec.model.name,
-            "source": spec.model.source,
+            "source": spec.model.source.resolved(),
             "num_moe_layers": spec.model.num_moe_layers,
             "num_experts": spec.model.num_experts,
         },
         "redis_url": redis_url,
         "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT},
-        "services": {role: f"{name}-{role}.{namespace}.svc:{GRPC_PORT}" for role in ("router", "prefill", "decode", "expert")},
+        "services": {
+            role: f"{name}-{role}.{namespace}.svc:{GRPC_PORT}" for role in ("router", "prefill", "decode", "expert")
+        },
         "expert_worker_ids": expert_worker_ids(name, spec.roles["expert"].replicas),
     }
     if spec.otlp_endpoint:
@@ -121,32 +128,38 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
                 "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}},
             }
         )
-    grpc_probe = {"grpc": {"port": GRPC_PORT}}
+    if role == "router":  # alive while the process serves HTTP; ready once a decode worker is routable
+        live, ready = {"httpGet": {"path": "/live", "port": "http"}}, {"httpGet": {"path": "/health", "port": "http"}}
+    else:  # alive while loading / waiting for a placement; ready when it serves
+        live, ready = {"grpc": {"port": GRPC_PORT, "service": "liveness"}}, {"grpc": {"port": GRPC_PORT}}
     container: dict[str, Any] = {
         "name": role,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["moemesh", "serve", "--role", role, "--config", CONFIG_PATH],
+        # every pod binds its own IP (what Services, probes and Prometheus reach)
+        "command": ["moemesh", "serve", "--role", role, "--config", CONFIG_PATH, "--host", "$(POD_IP)"],
         "ports": ports,
         "env": env,
         # model loading can take minutes: the startup probe allows up to 30 min
-        "startupProbe": {**grpc_probe, "periodSeconds": 10, "failureThreshold": 180},
-        "readinessProbe": {**grpc_probe, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**grpc_probe, "periodSeconds": 10, "failureThreshold": 6},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "startupProbe": {**live, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**live, "periodSeconds": 10, "failureThreshold": 6},
+        # a failed start (e.g. an unresolvable model source) shows its last log line in the pod status
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/moemesh", "readOnly": True},
             {"name": "cache", "mountPath": "/var/cache/moemesh"},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *spec.model.source.mounts(),
         ],
     }
-    if spec.roles[role].resources:
-        container["resources"] = spec.roles[role].resources
+    role_spec = spec.roles[role]
+    if role_spec.resources:
+        container["resources"] = role_spec.resources
+    container["env"] += list(role_spec.env)
+    container["volumeMounts"] += list(role_spec.volume_mounts)
     return container
 
 
@@ -168,12 +181,20 @@ def _pod_template(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] 
             {"name": "cache", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *spec.model.source.volumes(),
         ],
     }
+    init = spec.model.source.init_containers(spec.image, spec.image_pull_policy, CONFIG_PATH, CONTAINER_SECURITY)
+    if init:
+        pod_spec["initContainers"] = init
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = role_spec.node_selector
     if role_spec.tolerations:
         pod_spec["tolerations"] = list(role_spec.tolerations)
+    pod_spec["volumes"] += list(role_spec.volumes)
+    pod_spec.update(role_spec.pod_fields)
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in spec.image_pull_secrets]
     return {"metadata": {"labels": labels(name, role)}, "spec": pod_spec}
 
 

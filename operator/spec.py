@@ -8,13 +8,16 @@ threshold in range) and fills defaults. ``SpecError`` carries a message for the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moemesh.operator.autoscaler import RatioGuard, ScalingPolicy
 from moemesh.operator.eplb import EplbError, EplbLayout
+from moemesh.operator.model_source import ModelSource, SourceError, parse_source
 
 ROLES = ("router", "prefill", "decode", "expert")
+# spec.<role> keys copied verbatim into the pod spec
+POD_FIELDS = ("runtimeClassName", "affinity", "topologySpreadConstraints", "priorityClassName")
 
 
 class SpecError(ValueError):
@@ -24,7 +27,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    source: str
+    source: ModelSource
     num_moe_layers: int = 0
     num_experts: int = 0
     num_expert_groups: int = 1
@@ -38,6 +41,11 @@ class RoleSpec:
     resources: dict[str, Any]  # {requests: {...}, limits: {...}} as in a container spec
     node_selector: dict[str, str]
     tolerations: tuple[dict[str, Any], ...]
+    # copied verbatim into the role's pod template (Kubernetes-typed; the CRD schema checks them)
+    pod_fields: dict[str, Any] = field(default_factory=dict)  # runtimeClassName, affinity, ...
+    env: tuple[dict[str, Any], ...] = ()  # appended to the container env
+    volumes: tuple[dict[str, Any], ...] = ()  # appended to the pod volumes
+    volume_mounts: tuple[dict[str, Any], ...] = ()  # appended to the container volumeMounts
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class MeshSpec:
     eplb: EplbSpec
     redis: RedisSpec
     otlp_endpoint: str | None = None  # spec.telemetry.otlpEndpoint: where every service exports traces
+    image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets[*].name, on every pod
 
     def policy_for(self, role: str) -> ScalingPolicy:
         role_spec = self.roles[role]
@@ -165,7 +174,18 @@ def _role(spec: dict[str, Any], role: str) -> RoleSpec:
         resources={key: dict(value) for key, value in resources.items() if value},
         node_selector=dict(section.get("nodeSelector") or {}),
         tolerations=tuple(section.get("tolerations") or ()),
+        pod_fields={key: section[key] for key in POD_FIELDS if section.get(key)},
+        env=_named_list(section, "env", path),
+        volumes=_named_list(section, "volumes", path),
+        volume_mounts=_named_list(section, "volumeMounts", path),
     )
+
+
+def _named_list(section: dict[str, Any], key: str, path: str) -> tuple[dict[str, Any], ...]:
+    items = section.get(key) or []
+    if not isinstance(items, list) or not all(isinstance(item, dict) and item.get("name") for item in items):
+        raise SpecError(f"{path}.{key} must be a list of objects with a name, got {items!r}")
+    return tuple(items)
 
 
 def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
@@ -175,7 +195,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         raise SpecError("spec.model.name and spec.model.source are required")
     model_spec = ModelSpec(
         name=str(model["name"]),
-        source=str(model["source"]),
+        source=_source(model["source"]),
         num_moe_layers=_int(model, "numMoeLayers", 0, "spec.model"),
         num_experts=_int(model, "numExperts", 0, "spec.model"),
         num_expert_groups=_int(model, "numExpertGroups", 1, "spec.model", minimum=1),
@@ -236,9 +256,17 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
             password_secret_key=str(secret.get("key", "redis-password")),
         ),
         otlp_endpoint=_otlp_endpoint(_section(spec, "telemetry", "spec")),
+        image_pull_secrets=tuple(ref["name"] for ref in _named_list(spec, "imagePullSecrets", "spec")),
     )
     try:
-        mesh.expert_layout
+        _ = mesh.expert_layout  # validates the expert/EPLB combination
     except EplbError as exc:
         raise SpecError(f"spec.expert/spec.eplb/spec.model: {exc}") from exc
     return mesh
+
+
+def _source(source: Any) -> ModelSource:
+    try:
+        return parse_source(source)
+    except SourceError as exc:
+        raise SpecError(str(exc)) from exc

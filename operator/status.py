@@ -51,7 +51,9 @@ def set_condition(
     return result
 
 
-def merge_owned(existing: Iterable[Mapping[str, Any]] | None, owned: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def merge_owned(
+    existing: Iterable[Mapping[str, Any]] | None, owned: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
     """``existing`` with every condition of ``owned`` (the latest a handler wrote) in its place."""
     latest = {c["type"]: dict(c) for c in owned}
     result = [latest.pop(c.get("type"), dict(c)) for c in existing or ()]

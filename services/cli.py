@@ -1,10 +1,10 @@
 """`moemesh` command line.
 
-    moemesh generate "prompt"                 run the offline engine
-    moemesh serve --role ROLE [--config F]    run one service (router | prefill | decode | both | expert)
-    moemesh up [--experts N]                  run a local cluster: Redis, router, prefill, decode (and expert) workers
-    moemesh placement apply FILE              apply an expert placement (JSON) to a running mesh
-    moemesh plan --model DIR --gpu-memory M   how many expert pods a model needs, KV tokens per pod
+moemesh generate "prompt"                 run the offline engine
+moemesh serve --role ROLE [--config F]    run one service (router | prefill | decode | both | expert)
+moemesh up [--experts N]                  run a local cluster: Redis, router, prefill, decode (and expert) workers
+moemesh placement apply FILE              apply an expert placement (JSON) to a running mesh
+moemesh plan --model DIR --gpu-memory M   how many expert pods a model needs, KV tokens per pod
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ def _up(args) -> int:
 
 def _generate(args) -> int:
     from moemesh.common.settings import SettingsError
-    from moemesh.worker.settings import speculation_settings
     from moemesh.engine.errors import MoemeshError
     from moemesh.engine.llm import LLM
     from moemesh.engine.sampling_params import SamplingParams
+    from moemesh.worker.settings import speculation_settings
 
     try:
         params = SamplingParams(

@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model and its Hugging Face oracle, loaded once per session."""
+"""Shared fixtures: the default model and its Hugging Face oracle, loaded once per session, and
+the real redis-server of the session (tests/redis_process.py) with a per-test client."""
 
 from __future__ import annotations
 
@@ -41,20 +42,26 @@ def smollm(smollm_path):
 
 
 @pytest.fixture(scope="session")
-def redis_port():
-    """Port of a real redis-server shared by the session (flush it per test with redis_client)."""
-    from redis_process import RedisServer
+def redis_server():
+    """A real redis-server shared by the session (tests/redis_process.py). Tests that use it
+    directly keep to their own mesh id; `redis_client` flushes it around each test."""
+    from tests.redis_process import RedisServer
 
     server = RedisServer().start()
-    yield server.port
+    yield server
     server.stop()
 
 
-@pytest.fixture()
-def redis_client(redis_port):
-    import redis
+@pytest.fixture(scope="session")
+def redis_port(redis_server) -> int:
+    return redis_server.port
 
-    client = redis.Redis(port=redis_port)
+
+@pytest.fixture()
+def redis_client(redis_server):
+    """A client of the session's redis-server, on an empty database (flushed before and after)."""
+    client = redis_server.client()
     client.flushall()
     yield client
+    client.flushall()
     client.close()

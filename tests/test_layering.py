@@ -20,14 +20,36 @@ SERVICE_PARTS = ("engine", "router", "worker", "expert", "prefill", "decode", "l
 
 # package -> prefixes it must never import (at module level or lazily inside a function)
 FORBIDDEN = {
-    "moemesh.kernels": ("moemesh.engine", "moemesh.common", "moemesh.text", *(f"moemesh.{p}" for p in SERVICE_PARTS[1:])),
+    "moemesh.kernels": (
+        "moemesh.engine",
+        "moemesh.common",
+        "moemesh.text",
+        *(f"moemesh.{p}" for p in SERVICE_PARTS[1:]),
+    ),
     "moemesh.text": ("torch", "moemesh.common", *(f"moemesh.{p}" for p in SERVICE_PARTS)),
     "moemesh.common": ("torch", *(f"moemesh.{p}" for p in SERVICE_PARTS)),
     "moemesh.engine": tuple(f"moemesh.{p}" for p in SERVICE_PARTS[1:]),
-    "moemesh.router": ("torch", "moemesh.engine", "moemesh.worker", "moemesh.expert", "moemesh.prefill",
-                       "moemesh.decode", "moemesh.launcher", "moemesh.kernels"),  # fmt: skip
-    "moemesh.operator": ("torch", "moemesh.engine", "moemesh.worker", "moemesh.expert", "moemesh.prefill",
-                         "moemesh.decode", "moemesh.launcher", "moemesh.router", "moemesh.kernels"),  # fmt: skip
+    "moemesh.router": (
+        "torch",
+        "moemesh.engine",
+        "moemesh.worker",
+        "moemesh.expert",
+        "moemesh.prefill",
+        "moemesh.decode",
+        "moemesh.launcher",
+        "moemesh.kernels",
+    ),  # fmt: skip
+    "moemesh.operator": (
+        "torch",
+        "moemesh.engine",
+        "moemesh.worker",
+        "moemesh.expert",
+        "moemesh.prefill",
+        "moemesh.decode",
+        "moemesh.launcher",
+        "moemesh.router",
+        "moemesh.kernels",
+    ),  # fmt: skip
 }
 
 

@@ -87,7 +87,9 @@ async def check_health(endpoint: str, timeout_s: float = 1.0) -> bool:
     """True if the server at endpoint answers SERVING (used by the launcher and tests)."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
         try:
-            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            response = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING

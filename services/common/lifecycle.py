@@ -20,6 +20,7 @@ async def watch_parent(parent_pid: int | None, stop, interval_s: float = 1.0) ->
 def serve_until_signalled(serve, parent_pid: int | None) -> int:
     """Run `serve(stop)` (a coroutine function taking an asyncio.Event) until SIGTERM / SIGINT,
     or until the launcher `parent_pid` is gone; a worker process's main loop. Returns 0."""
+
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

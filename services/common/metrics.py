@@ -57,7 +57,9 @@ class _EngineStatsCollector:
             family.add_metric(values, value)
             return family
 
-        yield gauge("vllm:num_requests_waiting", "Requests waiting for admission (queued).", stats.get("num_waiting", 0))
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting for admission (queued).", stats.get("num_waiting", 0)
+        )
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats.get("num_running", 0))
         usage = stats.get("kv_usage", 0.0)
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", usage)

@@ -82,9 +82,7 @@ class Placement:
         if num_layers < 1 or num_slots < 1:
             raise PlacementError(f"phy2log must be [num_layers, num_slots] >= 1, got {self.phy2log.shape}")
         if self.slot_owner.shape != (num_slots,):
-            raise PlacementError(
-                f"slot_owner must have shape [num_slots]=({num_slots},), got {self.slot_owner.shape}"
-            )
+            raise PlacementError(f"slot_owner must have shape [num_slots]=({num_slots},), got {self.slot_owner.shape}")
         bad = np.flatnonzero((self.slot_owner < 0) | (self.slot_owner >= len(self.worker_ids)))
         if bad.size:
             raise PlacementError(
@@ -94,15 +92,13 @@ class Placement:
         if ((self.phy2log < 0) | (self.phy2log >= self.num_experts)).any():
             layer, slot = np.argwhere((self.phy2log < 0) | (self.phy2log >= self.num_experts))[0]
             raise PlacementError(
-                f"layer {layer} slot {slot} holds expert {self.phy2log[layer, slot]}, "
-                f"outside 0..{self.num_experts - 1}"
+                f"layer {layer} slot {slot} holds expert {self.phy2log[layer, slot]}, outside 0..{self.num_experts - 1}"
             )
         missing = np.argwhere(self.replica_counts == 0)
         if missing.size:
             layer, expert = missing[0]
             raise PlacementError(
-                f"expert {expert} has no replica in layer {layer} "
-                f"({len(missing)} (layer, expert) pairs lack one)"
+                f"expert {expert} has no replica in layer {layer} ({len(missing)} (layer, expert) pairs lack one)"
             )
         slots_per_worker = np.bincount(self.slot_owner, minlength=len(self.worker_ids))
         if self.equal_slots and (slots_per_worker != slots_per_worker[0]).any():
@@ -253,9 +249,7 @@ class PlacementStore:
             pipe.watch(latest_key)
             latest = int(pipe.get(latest_key) or 0)
             if placement.version <= latest:
-                raise PlacementError(
-                    f"placement version {placement.version} must exceed the latest published {latest}"
-                )
+                raise PlacementError(f"placement version {placement.version} must exceed the latest published {latest}")
             pipe.multi()
             pipe.set(redis_keys.placement_key(self._mesh, placement.version), placement.to_json())
             pipe.set(latest_key, placement.version)

@@ -44,8 +44,10 @@ def check_placement(placement: Placement, live_workers: Sequence[str], current: 
         raise PlacementError(
             f"placement names expert workers that are not running: {missing} (live: {sorted(live_workers)})"
         )
-    if current is not None and (placement.num_layers, placement.num_experts) != (current.num_layers,
-                                                                                   current.num_experts):
+    if current is not None and (placement.num_layers, placement.num_experts) != (
+        current.num_layers,
+        current.num_experts,
+    ):
         raise PlacementError(
             f"placement covers {placement.num_layers} MoE layers x {placement.num_experts} experts; the active "
             f"placement {current.version} (the model) has {current.num_layers} x {current.num_experts}"

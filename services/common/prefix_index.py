@@ -76,7 +76,9 @@ end
 """
 
 # ARGV: prefix, worker, epoch, block_size, model_id, expiry, hashes...
-_RESYNC = _DROP_WORKER + """
+_RESYNC = (
+    _DROP_WORKER
+    + """
 local prefix, worker = ARGV[1], ARGV[2]
 drop_worker(prefix, worker)
 local wkey = prefix .. 'worker:' .. worker
@@ -88,6 +90,7 @@ redis.call('HSET', prefix .. 'meta:' .. worker, 'epoch', ARGV[3], 'seq', 0, 'blo
 redis.call('ZADD', prefix .. 'workers', ARGV[6], worker)
 return #ARGV - 6
 """
+)
 
 # ARGV: prefix, worker, epoch, seq, expiry, num_stored, stored..., removed...
 _APPLY = """
@@ -123,7 +126,9 @@ return 1
 """
 
 # ARGV: prefix, now
-_REAP = _DROP_WORKER + """
+_REAP = (
+    _DROP_WORKER
+    + """
 local prefix = ARGV[1]
 local expired = redis.call('ZRANGEBYSCORE', prefix .. 'workers', '-inf', ARGV[2])
 for _, worker in ipairs(expired) do
@@ -131,11 +136,15 @@ for _, worker in ipairs(expired) do
 end
 return expired
 """
+)
 
 # ARGV: prefix, worker
-_REMOVE = _DROP_WORKER + """
+_REMOVE = (
+    _DROP_WORKER
+    + """
 return drop_worker(ARGV[1], ARGV[2])
 """
+)
 
 # ARGV: prefix, hashes... -> flat [worker, count, ...]
 _LONGEST = """

@@ -102,7 +102,10 @@ class PrefixIndexPublisher:
 
     async def heartbeat(self) -> None:
         """Extend this worker's expiry in the index (resync if its entries are gone)."""
-        if not self._need_resync and await self._call(self.index.touch, self.worker_id, self.epoch, self.ttl_s) is False:
+        if (
+            not self._need_resync
+            and await self._call(self.index.touch, self.worker_id, self.epoch, self.ttl_s) is False
+        ):
             self._need_resync = True
             self._wake.set()
 

@@ -88,13 +88,18 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--heartbeat-ttl", type=float, default=None, help="registry TTL in seconds (default 15)")
     parser.add_argument("--trace-file", default=None, help="write OpenTelemetry spans as JSON lines here")
-    parser.add_argument("--otlp-endpoint", default=None,
-                        help="export spans over OTLP/gRPC to this collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export spans over OTLP/gRPC to this collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
     parser.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits (launchers)")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=None, help="bind address (default 0.0.0.0)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (router: client API, 0 = off)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = off; default 9090)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = off; default 9090)"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--worker-id", default=None, help="registry id (default: $POD_NAME or role-host-random)")

@@ -24,8 +24,8 @@ from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemotePrefi
 from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import RemotePrefillParams
 from moemesh.proto.convert import FINISH_REASONS, load_report, logprob_to_proto
-from moemesh.worker.grpc_status import admit, engine_errors_as_status
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, telemetry_pb2
+from moemesh.worker.grpc_status import admit, engine_errors_as_status
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                         phase.update_name("queue")
                         phase.end()
                         num_remote_tokens = await self._remote_prefill(request, event, ctx)
-                        phase = self._tracer.start_span("decode" if num_remote_tokens else "prefill.fallback", context=ctx)
+                        phase = self._tracer.start_span(
+                            "decode" if num_remote_tokens else "prefill.fallback", context=ctx
+                        )
                         continue
                     now = time.monotonic()
                     if last is None:
@@ -150,4 +152,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
 def _with_metadata(task: RemotePrefillTask, metadata) -> RemotePrefillTask:
     return dataclasses.replace(task, metadata=tuple(metadata))
-

@@ -47,6 +47,7 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()
     num_experts: int = 0  # expert workers; > 0: prefill/decode workers run the routed experts there
     expert_args: tuple[str, ...] = ()
+    expert_transport: str = "grpc-stream"  # prefill/decode workers' --expert-transport
     heartbeat_ttl_s: float = 15.0
     log_dir: str | None = None  # None: inherit stdout/stderr
     trace_dir: str | None = None  # spans as JSON lines per service
@@ -120,8 +121,8 @@ class LocalCluster:
     def worker_service(self, name: str, role: str, num_threads: int = 1, port: int | None = None) -> Service:
         spec = self.spec
         port = port or free_port(spec.host)
-        role_args = spec.expert_args if role == "expert" else (
-            *spec.worker_args, *(("--remote-experts",) if spec.num_experts else ()))  # fmt: skip
+        remote = ("--remote-experts", "--expert-transport", spec.expert_transport) if spec.num_experts else ()
+        role_args = spec.expert_args if role == "expert" else (*spec.worker_args, *remote)
         args = ["--role", role, "--worker-id", name, "--host", spec.host, "--advertise-host", spec.host,
                 "--grpc-port", str(port), "--metrics-port", str(free_port(spec.host)),
                 "--num-threads", str(num_threads), *self._common_args(name), *role_args]  # fmt: skip
@@ -146,7 +147,7 @@ class LocalCluster:
         shapes = {self._expert_shape(service) for service in experts}
         if len(shapes) != 1:
             raise RuntimeError(f"expert workers disagree on the model's MoE shape: {sorted(shapes)}")
-        (num_layers, num_experts), = shapes
+        ((num_layers, num_experts),) = shapes
         client = connect(self.redis_url)
         try:
             deadline = time.monotonic() + spec.start_timeout_s

@@ -8,7 +8,7 @@ import time
 
 from moemesh.common.settings import SettingsError
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
-from moemesh.worker.settings import add_speculation_arguments, speculation_settings
+from moemesh.worker.settings import EXPERT_TRANSPORTS, add_speculation_arguments, speculation_settings
 
 
 def add_up_arguments(parser) -> None:
@@ -25,8 +25,18 @@ def add_up_arguments(parser) -> None:
     parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
     parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
     parser.add_argument("--otlp-endpoint", default=None, help="every service exports traces over OTLP/gRPC here")
-    parser.add_argument("--experts", type=int, default=0,
-                        help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)")
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)",
+    )
+    parser.add_argument(
+        "--expert-transport",
+        default="grpc-stream",
+        choices=EXPERT_TRANSPORTS,
+        help="with --experts: the expert data plane of the workers (default grpc-stream)",
+    )
     add_speculation_arguments(parser)  # handed to the decode workers
 
 
@@ -52,7 +62,7 @@ def run_up(args) -> int:
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
         model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
         otlp_endpoint=args.otlp_endpoint,
-        num_experts=args.experts,
+        num_experts=args.experts, expert_transport=args.expert_transport,
     )  # fmt: skip
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:
         print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)

@@ -17,8 +17,8 @@ from moemesh.common.metrics import WorkerMetrics
 from moemesh.engine.async_engine import AsyncEngine
 from moemesh.engine.kv_transfer import ExportedKV
 from moemesh.proto.convert import layout_from_proto, load_report, logprob_to_proto
-from moemesh.worker.grpc_status import admit, engine_errors_as_status
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc, telemetry_pb2
+from moemesh.worker.grpc_status import admit, engine_errors_as_status
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):

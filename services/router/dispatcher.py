@@ -22,9 +22,9 @@ from moemesh.common import telemetry
 from moemesh.common.block_hash import HashExtra, hash_block_chain
 from moemesh.common.grpc_util import ChannelPool
 from moemesh.common.metrics import RouterMetrics
-from moemesh.text.detokenizer import IncrementalDetokenizer
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from moemesh.router.worker_pool import NoWorkerError, WorkerPool
+from moemesh.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,9 @@ class Dispatcher:
                 except StopAsyncIteration:
                     raise Unavailable(f"decode worker {worker.worker_id} ended the stream early") from None
                 except TimeoutError:
-                    raise Unavailable(f"no first token from {worker.worker_id} in {self.first_token_timeout_s} s") from None
+                    raise Unavailable(
+                        f"no first token from {worker.worker_id} in {self.first_token_timeout_s} s"
+                    ) from None
                 now = time.monotonic()
                 if num_output == 0:
                     self.metrics.ttft.observe(now - started)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from moemesh.common.metrics import RouterMetrics
-from moemesh.text.errors import InvalidRequestError
 from moemesh.router.dispatcher import Delta, Dispatcher, GenerateInput, InvalidRequest, ModelNotFound, Overloaded
+from moemesh.text.errors import InvalidRequestError
 
 
 @dataclass

@@ -52,7 +52,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         if sampling.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {sampling.max_tokens}", param="max_tokens")
+            raise InvalidRequest(
+                f"max_tokens must be a positive integer, got {sampling.max_tokens}", param="max_tokens"
+            )
         if sampling.temperature < 0 or not 0 <= sampling.top_p <= 1:
             raise InvalidRequest("temperature must be >= 0 and top_p in (0, 1]", param="sampling")
         if not all(request.stop):

@@ -127,12 +127,17 @@ def build_app(frontend: Frontend, num_decode_workers) -> FastAPI:
                 lp = logprob_fmt.chat(d.delta.logprobs) if body.logprobs else None
                 return [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.delta.finish_reason}]
 
-            return await _sse(request, frontend, inputs, body.include_usage, meta, "chat.completion.chunk", chunk_choices)
+            return await _sse(
+                request, frontend, inputs, body.include_usage, meta, "chat.completion.chunk", chunk_choices
+            )
         results = await _collect(request, frontend, inputs)
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": r["text"]},
-             "logprobs": logprob_fmt.chat(r["logprobs"]) if body.logprobs else None,
-             "finish_reason": r["finish_reason"]}  # fmt: skip
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r["text"]},
+                "logprobs": logprob_fmt.chat(r["logprobs"]) if body.logprobs else None,
+                "finish_reason": r["finish_reason"],
+            }  # fmt: skip
             for i, r in enumerate(results)
         ]
         return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(results)}

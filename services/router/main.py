@@ -20,13 +20,13 @@ from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.lifecycle import watch_parent
 from moemesh.common.metrics import RouterMetrics
 from moemesh.common.model_source import default_model_path
-from moemesh.router.settings import RouterSettings, RoutingSettings
 from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
 from moemesh.router.dispatcher import Dispatcher
 from moemesh.router.frontend import Frontend
 from moemesh.router.grpc_api import GenerateServicer
 from moemesh.router.http_api import build_app
 from moemesh.router.policy import make_policy
+from moemesh.router.settings import RouterSettings, RoutingSettings
 from moemesh.router.token_ids_only import TokenIdsOnlyTokenizer
 from moemesh.router.worker_pool import DECODE_ROLES, WorkerPool
 from moemesh.text.model_text import open_model_text
@@ -116,7 +116,9 @@ async def _heartbeats(settings: RouterSettings, client: redis.Redis, frontend: F
             model=frontend.model_name, num_running=frontend.in_flight,
         )  # fmt: skip
         with contextlib.suppress(redis.RedisError):
-            await asyncio.to_thread(registry.heartbeat, client, settings.mesh.mesh, record, settings.mesh.heartbeat_ttl_s)
+            await asyncio.to_thread(
+                registry.heartbeat, client, settings.mesh.mesh, record, settings.mesh.heartbeat_ttl_s
+            )
         await asyncio.sleep(settings.mesh.heartbeat_ttl_s / 3)
 
 

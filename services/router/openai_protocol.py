@@ -177,9 +177,7 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [
-                {self.token(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} for lp in logprobs
-            ],
+            "top_logprobs": [{self.token(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} for lp in logprobs],
             "text_offset": offsets,
         }
 
@@ -190,8 +188,10 @@ class LogprobFormatter:
 
         return {
             "content": [
-                {**entry(lp.token_id, lp.logprob),
-                 "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}  # fmt: skip
+                {
+                    **entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)],
+                }  # fmt: skip
                 for lp in logprobs
             ]
         }

@@ -87,11 +87,7 @@ class KVAware(RoutingPolicy):
 
     def cost(self, candidate: Candidate, num_prompt_blocks: int) -> float:
         prefill_blocks = max(num_prompt_blocks - candidate.cached_blocks, 0) + candidate.pending_prefill_blocks
-        return (
-            self.prefill_weight * prefill_blocks
-            + candidate.active_blocks
-            + self.queue_weight * candidate.num_queued
-        )
+        return self.prefill_weight * prefill_blocks + candidate.active_blocks + self.queue_weight * candidate.num_queued
 
     def choose(self, candidates, num_prompt_blocks):
         keys = [(self.cost(c, num_prompt_blocks), -c.cached_blocks, c.in_flight) for c in candidates]

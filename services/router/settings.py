@@ -77,8 +77,6 @@ def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings
     )
 
 
-
-
 def add_router_arguments(parser) -> None:
     router = parser.add_argument_group("router")
     router.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000)")

@@ -19,7 +19,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
@@ -198,7 +198,9 @@ class WorkerPool:
     # -- routing ---------------------------------------------------------------------------
     def live(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[WorkerState]:
         now = self.clock()
-        return [w for w in self.workers.values() if w.role in roles and w.down_until <= now and w.worker_id not in exclude]
+        return [
+            w for w in self.workers.values() if w.role in roles and w.down_until <= now and w.worker_id not in exclude
+        ]
 
     async def cached_prefixes(self, chain: Sequence[BlockHash]) -> dict[str, int]:
         """Per worker id: leading blocks of `chain` it holds (index, merged with recent routes)."""
@@ -230,8 +232,14 @@ class WorkerPool:
 
     def _pick(self, policy, workers: list[WorkerState], cached: dict[str, int], num_blocks: int) -> WorkerState:
         candidates = [
-            Candidate(w.worker_id, cached.get(w.worker_id, 0), w.active_blocks, w.num_queued, w.in_flight,
-                      w.pending_prefill_blocks)  # fmt: skip
+            Candidate(
+                w.worker_id,
+                cached.get(w.worker_id, 0),
+                w.active_blocks,
+                w.num_queued,
+                w.in_flight,
+                w.pending_prefill_blocks,
+            )  # fmt: skip
             for w in workers
         ]
         picked = policy.choose(candidates, num_blocks)

@@ -45,7 +45,9 @@ def open_model_text(path: str) -> ModelText:
 def gguf_model_text(reader, path: str) -> ModelText:
     meta = GGUFMetadata(reader)
     hf_config = hf_config_from_gguf(meta, {t.name for t in reader.tensors})
-    return ModelText(hf_config, Tokenizer.from_gguf_metadata(meta.get), gguf_model_id(meta, path, os.stat(path).st_size))
+    return ModelText(
+        hf_config, Tokenizer.from_gguf_metadata(meta.get), gguf_model_id(meta, path, os.stat(path).st_size)
+    )
 
 
 def read_hf_config(path: str) -> dict:

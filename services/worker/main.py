@@ -23,13 +23,13 @@ from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.prefix_publisher import PrefixIndexPublisher
-from moemesh.worker.settings import EngineSettings, WorkerSettings
-from moemesh.worker.kv_client import GrpcKVTransport
 from moemesh.decode.servicer import DecodeServicer
 from moemesh.engine.async_engine import AsyncEngine
 from moemesh.expert.attach import NoRemoteExperts, RemoteExperts
 from moemesh.prefill.servicer import PrefillServicer
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from moemesh.worker.kv_client import GrpcKVTransport
+from moemesh.worker.settings import EngineSettings, WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,19 @@ def engine_config(settings: EngineSettings, remote_experts: bool = False):
     from moemesh.engine.loader import default_model_path
 
     return EngineConfig(
-        model=ModelConfig(settings.model or default_model_path(), settings.dtype, settings.device,
-                          settings.max_model_len, settings.seed, load_routed_experts=not remote_experts),  # fmt: skip
+        model=ModelConfig(
+            settings.model or default_model_path(),
+            settings.dtype,
+            settings.device,
+            settings.max_model_len,
+            settings.seed,
+            load_routed_experts=not remote_experts,
+            micro_batch_overlap=settings.micro_batch_overlap,
+        ),  # fmt: skip
         cache=CacheConfig(settings.block_size, settings.num_blocks, settings.kv_memory_gib),
-        scheduler=SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens,
-                                  async_scheduling=settings.async_scheduling),
+        scheduler=SchedulerConfig(
+            settings.max_num_seqs, settings.max_num_batched_tokens, async_scheduling=settings.async_scheduling
+        ),
         spec=settings.speculation.spec_config(),
     )
 
@@ -70,7 +78,9 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        self.engine = AsyncEngine(lambda: build_engine(s.engine, s.expert.remote), loop, s.engine.num_threads, self._on_kv_events)
+        self.engine = AsyncEngine(
+            lambda: build_engine(s.engine, s.expert.remote), loop, s.engine.num_threads, self._on_kv_events
+        )
         model_name = os.path.basename(s.engine.model or "SmolLM2-135M-Instruct")
         self.metrics = WorkerMetrics(model_name, s.worker_id, lambda: self.engine.stats)
         names = []

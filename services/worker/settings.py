@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
 
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+EXPERT_TRANSPORTS = ("grpc", "grpc-stream")  # = moemesh.expert.transport.TRANSPORTS (no torch import here)
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_SCHEDULING = ("fixed", "confidence")
+MICRO_BATCH_OVERLAP = {"auto": None, "on": True, "off": False}  # --micro-batch-overlap -> ModelConfig
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,20 @@ def speculation_settings(args) -> SpeculationSettings:
 
 def add_speculation_arguments(parser) -> None:
     """`--speculative-*` and `--draft-model` (moemesh generate, decode / both workers)."""
-    parser.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
-                        help="draft tokens by prompt n-gram lookup or with a draft model (default none)")
+    parser.add_argument(
+        "--speculative-method",
+        default="none",
+        choices=SPECULATIVE_METHODS,
+        help="draft tokens by prompt n-gram lookup, with a draft model, or with the model's own "
+        "multi-token-prediction layer (mtp: DeepSeek-V3 checkpoints) (default none)",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and round (1-16)")
-    parser.add_argument("--speculative-scheduling", default="confidence", choices=SPECULATIVE_SCHEDULING,
-                        help="verify every draft (fixed) or DSpark's confidence-scheduled prefix (default)")
+    parser.add_argument(
+        "--speculative-scheduling",
+        default="confidence",
+        choices=SPECULATIVE_SCHEDULING,
+        help="verify every draft (fixed) or DSpark's confidence-scheduled prefix (default)",
+    )
     parser.add_argument("--draft-model", default=None, help="draft GGUF / HF dir sharing the target's tokenizer")
 
 
@@ -80,6 +91,7 @@ class EngineSettings:
     async_scheduling: bool = True  # execution overlap (off with speculation)
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads of the engine thread
+    micro_batch_overlap: bool | None = None  # MoE ping-pong micro-batches; None: with remote experts
     seed: int = 0
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
@@ -94,8 +106,11 @@ class ExpertSettings:
     placement_poll_s: float = 0.1  # how often placement versions (and endpoints) are read
     load_window_s: float = 10.0  # expert worker: telemetry window of token counts
     release_grace_s: float = 2.0  # expert worker: keep a superseded version this long after its last call
+    transport: str = "grpc-stream"  # prefill/decode: the expert data plane (expert/transport.py TRANSPORTS)
 
     def __post_init__(self):
+        check(self.transport in EXPERT_TRANSPORTS,
+              f"expert transport must be one of {EXPERT_TRANSPORTS}, got {self.transport!r}")  # fmt: skip
         for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
             check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
@@ -164,6 +179,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
             async_scheduling=not args.no_async_scheduling,
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,
+            micro_batch_overlap=MICRO_BATCH_OVERLAP[args.micro_batch_overlap],
             speculation=speculation_settings(args) if role in ("decode", "both") else SpeculationSettings(),
         ),
         expert=expert_settings(args, config),
@@ -178,9 +194,8 @@ def expert_settings(args, config: dict) -> ExpertSettings:
         placement_poll_s=args.placement_poll,
         load_window_s=args.expert_load_window,
         release_grace_s=args.replica_release_grace,
+        transport=args.expert_transport,
     )
-
-
 
 
 def add_worker_arguments(parser) -> None:
@@ -191,23 +206,61 @@ def add_worker_arguments(parser) -> None:
     worker.add_argument("--kv-memory-gib", type=float, default=1.0)
     worker.add_argument("--max-num-seqs", type=int, default=64)
     worker.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    worker.add_argument("--no-async-scheduling", action="store_true",
-                        help="run rounds one after another (no execution overlap)")
+    worker.add_argument(
+        "--no-async-scheduling", action="store_true", help="run rounds one after another (no execution overlap)"
+    )
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
-    worker.add_argument("--min-remote-prefill-tokens", type=int, default=None,
-                        help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)")
+    worker.add_argument(
+        "--micro-batch-overlap",
+        default="auto",
+        choices=sorted(MICRO_BATCH_OVERLAP),
+        help="MoE models: run each round as two micro-batches so one's attention overlaps the "
+        "other's routed experts (auto: on with --remote-experts)",
+    )
+    worker.add_argument(
+        "--min-remote-prefill-tokens",
+        type=int,
+        default=None,
+        help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)",
+    )
     worker.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)
     add_speculation_arguments(parser.add_argument_group("speculative decoding (decode / both workers)"))
     expert = parser.add_argument_group("expert workers / remote experts")
-    expert.add_argument("--remote-experts", action="store_true",
-                        help="prefill/decode: run the routed experts on the expert workers of the placement")
-    expert.add_argument("--expert-timeout", type=float, default=ExpertSettings.call_timeout_s,
-                        help="seconds per expert call before the expert worker counts as down")
-    expert.add_argument("--placement-poll", type=float, default=ExpertSettings.placement_poll_s,
-                        help="seconds between reads of the placement version")
-    expert.add_argument("--expert-load-window", type=float, default=ExpertSettings.load_window_s,
-                        help="expert worker: seconds per published window of token counts")
-    expert.add_argument("--replica-release-grace", type=float, default=ExpertSettings.release_grace_s,
-                        help="expert worker: seconds a superseded placement's replicas stay after their last call")
+    expert.add_argument(
+        "--remote-experts",
+        action="store_true",
+        help="prefill/decode: run the routed experts on the expert workers of the placement",
+    )
+    expert.add_argument(
+        "--expert-transport",
+        default=ExpertSettings.transport,
+        choices=EXPERT_TRANSPORTS,
+        help="prefill/decode: the expert data plane: one unary gRPC call per layer and worker, or "
+        "a persistent bidirectional gRPC stream per expert worker (default)",
+    )
+    expert.add_argument(
+        "--expert-timeout",
+        type=float,
+        default=ExpertSettings.call_timeout_s,
+        help="seconds per expert call before the expert worker counts as down",
+    )
+    expert.add_argument(
+        "--placement-poll",
+        type=float,
+        default=ExpertSettings.placement_poll_s,
+        help="seconds between reads of the placement version",
+    )
+    expert.add_argument(
+        "--expert-load-window",
+        type=float,
+        default=ExpertSettings.load_window_s,
+        help="expert worker: seconds per published window of token counts",
+    )
+    expert.add_argument(
+        "--replica-release-grace",
+        type=float,
+        default=ExpertSettings.release_grace_s,
+        help="expert worker: seconds a superseded placement's replicas stay after their last call",
+    )

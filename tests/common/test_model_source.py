@@ -40,8 +40,13 @@ def write_config(tmp_path, source: dict) -> str:
 
 
 def fetch(config: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moemesh.cli", "fetch-model", "--config", config],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moemesh.cli", "fetch-model", "--config", config],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+        timeout=120,
+    )
 
 
 def test_the_init_container_command_resolves_the_snapshot_the_workers_then_load(tmp_path):

@@ -199,7 +199,9 @@ class Kubelet:
             url = f"/apis/apps/v1/namespaces/{meta['namespace']}/{resource_of[workload['kind']]}/{meta['name']}/status"
             body = {"status": {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
                                "observedGeneration": meta.get("generation", 1)}}  # fmt: skip
-            response = await self.emulator.patch(url, json=body, headers={"Content-Type": "application/merge-patch+json"})
+            response = await self.emulator.patch(
+                url, json=body, headers={"Content-Type": "application/merge-patch+json"}
+            )
             assert response.status < 300, await response.text()
 
     def stop_all(self) -> None:

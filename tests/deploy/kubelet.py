@@ -63,7 +63,9 @@ class Node:
                 self.configmaps[obj["metadata"]["name"]] = dict(obj.get("data") or {})
             elif obj.get("kind") == "Secret":
                 data = dict(obj.get("data") or {})
-                data.update({k: base64.b64encode(v.encode()).decode() for k, v in (obj.get("stringData") or {}).items()})
+                data.update(
+                    {k: base64.b64encode(v.encode()).decode() for k, v in (obj.get("stringData") or {}).items()}
+                )
                 self.secrets[obj["metadata"]["name"]] = data
 
     def ensure_mount_point(self, path: str, is_dir: bool) -> None:
@@ -175,7 +177,7 @@ class Pod:
             mounts.append([str(source), mount["mountPath"], bool(mount.get("readOnly"))])
         env = self._env(container)
         argv = [expand(a, env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
-        uid, gid = self._user()
+        uid, gid = self._user() if image_runs_as_pod_user(self._user()[0]) else (None, None)
         spec = {"mounts": mounts, "uid": uid, "gid": gid, "argv": argv, "env": env,
                 "cwd": container.get("workingDir") or "/tmp"}  # fmt: skip
         path = self.dir / f"{kind}.json"
@@ -227,7 +229,8 @@ class Pod:
                 check = probe["grpc"]
                 with grpc.insecure_channel(f"{self.ip}:{check['port']}") as channel:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=check.get("service", "")), timeout=2)
+                        health_pb2.HealthCheckRequest(service=check.get("service", "")), timeout=2
+                    )
                 return reply.status == health_pb2.HealthCheckResponse.SERVING
             if "tcpSocket" in probe:
                 with socket.create_connection((self.ip, self.port(probe["tcpSocket"]["port"])), timeout=2):
@@ -259,6 +262,24 @@ class Pod:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+_RUNNABLE: dict[int | None, bool] = {}
+
+
+def image_runs_as_pod_user(uid: int | None) -> bool:
+    """Whether this machine's interpreter (the stand-in image) is reachable by the pod's user; where
+    it lives under a private home directory the containers run as root in their namespace instead."""
+    if uid is None:
+        return True
+    if uid not in _RUNNABLE:
+        try:
+            probe = subprocess.run([sys.executable, "-c", "import moemesh"], user=uid, group=uid, extra_groups=[],
+                                   cwd="/", capture_output=True)  # fmt: skip
+            _RUNNABLE[uid] = probe.returncode == 0
+        except PermissionError:
+            _RUNNABLE[uid] = False
+    return _RUNNABLE[uid]
 
 
 def expand(text: str, env: dict[str, str]) -> str:

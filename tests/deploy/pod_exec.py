@@ -14,14 +14,19 @@ import subprocess
 import sys
 
 
-def mount(source: str, target: str, read_only: bool) -> None:
-    if os.path.isdir(source):
+def mount(source: str | int, target: str, read_only: bool) -> None:
+    """`source`: a path, or an O_PATH descriptor opened before any mount could hide the path."""
+    is_dir = os.path.isdir(f"/proc/self/fd/{source}" if isinstance(source, int) else source)
+    if is_dir:
         os.makedirs(target, exist_ok=True)  # the image's directory (an empty mount point if new)
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if not os.path.exists(target):
             open(target, "a").close()
-    subprocess.run(["mount", "--bind", source, target], check=True)
+    if isinstance(source, int):
+        subprocess.run(["mount", "--bind", f"/proc/self/fd/{source}", target], check=True, pass_fds=[source])
+    else:
+        subprocess.run(["mount", "--bind", source, target], check=True)
     if read_only:
         subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
 
@@ -29,8 +34,12 @@ def mount(source: str, target: str, read_only: bool) -> None:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    for source, target, read_only in spec["mounts"]:
-        mount(source, target, read_only)
+    # every source is opened first: a mount at /tmp must not hide a source that lives under /tmp
+    sources = [os.open(source, os.O_PATH) for source, _, _ in spec["mounts"]]
+    for fd, (_, target, read_only) in zip(sources, spec["mounts"]):
+        mount(fd, target, read_only)
+    for fd in sources:
+        os.close(fd)
     if spec.get("gid") is not None:
         os.setgroups([])
         os.setgid(spec["gid"])

@@ -18,6 +18,7 @@ import urllib.request
 import kmock
 import openai
 import pytest
+import pytest_asyncio
 
 from moemesh.operator.config import OperatorConfig
 from tests.deploy.harness import (
@@ -60,18 +61,18 @@ async def eventually(predicate, timeout_s: float = 300.0, message: str = "condit
         await asyncio.sleep(0.1)
 
 
-@pytest.fixture()
-async def cluster(tmp_path):
+@pytest_asyncio.fixture()
+async def cluster(tmp_path, monkeypatch):
     """KMock + the chart's Redis (at its Service name) + the operator configured as the chart's
     operator Deployment says; yields (emulator, hosts, node, docs)."""
     docs = render_chart(None, RELEASE, NAMESPACE)
-    secret = one(docs, "Secret", f"{RELEASE}-redis")
+    secret = one(docs, "Secret")  # the chart's Redis password
     secrets = {secret["metadata"]["name"]: secret["data"]}
-    operator_pod = one(docs, "Deployment", f"{RELEASE}-operator")["spec"]["template"]["spec"]
+    operator_pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     env = container_env(operator_pod["containers"][0], secrets)
     hosts = HostMap()
     redis_address = hosts.new_address()
-    hosts.add_service(f"{RELEASE}-redis", NAMESPACE, redis_address)
+    hosts.add_service(one(docs, "Service")["metadata"]["name"], NAMESPACE, redis_address)  # the chart's Redis
     redis_dir = tmp_path / "redis"
     redis_dir.mkdir()
     redis = RedisAt(redis_address, 6379, env.get("MOEMESH_REDIS_PASSWORD"), redis_dir)
@@ -79,6 +80,13 @@ async def cluster(tmp_path):
         await redis.wait()
         async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator):
             declare_resources(emulator)
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(
+                "kind: Config\ncurrent-context: mock\n"
+                f"clusters: [{{name: mock, cluster: {{server: '{emulator.url!s}'}}}}]\n"
+                "users: [{name: mock, user: {}}]\ncontexts: [{name: mock, context: {cluster: mock, user: mock}}]\n"
+            )
+            monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
             node = Node(namespace=NAMESPACE, workdir=tmp_path / "node")
             node.add_objects([secret])
             response = await emulator.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret)
@@ -134,6 +142,7 @@ async def test_the_charts_default_mesh_serves_smollm2_as_the_offline_engine_does
 
     emulator, hosts, node, docs = cluster
     mesh = one(docs, "InferenceMesh")
+    mesh["metadata"].update(uid="uid-default", generation=1, resourceVersion="1")  # what the API server adds
     name = mesh["metadata"]["name"]
     response = await emulator.post(f"/apis/moemesh.io/v1alpha1/namespaces/{NAMESPACE}/inferencemeshes", json=mesh)
     assert response.status < 300, await response.text()

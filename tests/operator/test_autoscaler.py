@@ -39,8 +39,11 @@ class Decode:
         self.now += dt
         ready = self.replicas - num_pending
         desired, self.state = decide(
-            self.state, self.now, {"decode": self.replicas},
-            {"decode": telemetry(ready, in_flight, num_pending)}, {"decode": self.policy},
+            self.state,
+            self.now,
+            {"decode": self.replicas},
+            {"decode": telemetry(ready, in_flight, num_pending)},
+            {"decode": self.policy},
         )
         self.replicas = desired["decode"]
         return self.replicas
@@ -94,8 +97,12 @@ def test_min_replicas_is_restored_even_with_pending_pods():
 def test_ratio_guard_raises_prefill_to_the_minimum_ratio():
     policies = {"prefill": POLICY, "decode": POLICY}
     desired, _ = decide(
-        AutoscalerState(), 10.0, {"prefill": 1, "decode": 8},
-        {"prefill": telemetry(1, 0), "decode": telemetry(8, 80)}, policies, RatioGuard(min_ratio=0.5, max_ratio=2.0),
+        AutoscalerState(),
+        10.0,
+        {"prefill": 1, "decode": 8},
+        {"prefill": telemetry(1, 0), "decode": telemetry(8, 80)},
+        policies,
+        RatioGuard(min_ratio=0.5, max_ratio=2.0),
     )
     assert desired == {"prefill": 4, "decode": 8}
 
@@ -103,8 +110,12 @@ def test_ratio_guard_raises_prefill_to_the_minimum_ratio():
 def test_ratio_guard_caps_prefill_at_the_maximum_ratio():
     policies = {"prefill": POLICY, "decode": POLICY}
     desired, _ = decide(
-        AutoscalerState(), 10.0, {"prefill": 4, "decode": 2},
-        {"prefill": telemetry(4, 200), "decode": telemetry(2, 20)}, policies, RatioGuard(max_ratio=1.5),
+        AutoscalerState(),
+        10.0,
+        {"prefill": 4, "decode": 2},
+        {"prefill": telemetry(4, 200), "decode": telemetry(2, 20)},
+        policies,
+        RatioGuard(max_ratio=1.5),
     )
     assert desired == {"prefill": 3, "decode": 2}
 

@@ -92,7 +92,9 @@ def random_load(rng, num_layers, num_experts):
     return rng.gamma(0.4, 100.0, size=(num_layers, num_experts)).round()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"E{l.num_experts}S{l.num_slots}W{l.num_workers}N{l.num_nodes}")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda l: f"E{l.num_experts}S{l.num_slots}W{l.num_workers}N{l.num_nodes}"
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_scratch_plan_invariants_on_random_loads(layout, seed):
     rng = np.random.default_rng(seed)
@@ -114,13 +116,15 @@ def test_scratch_plan_invariants_on_random_loads(layout, seed):
         slots_per_node = layout.num_slots // layout.num_nodes
         for layer in range(5):
             groups_per_node = [
-                set((plan.phy2log[layer, n * slots_per_node:(n + 1) * slots_per_node] // group_size).tolist())
+                set((plan.phy2log[layer, n * slots_per_node : (n + 1) * slots_per_node] // group_size).tolist())
                 for n in range(layout.num_nodes)
             ]
             assert sum(len(g) for g in groups_per_node) == layout.num_groups  # no group split
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"E{l.num_experts}S{l.num_slots}W{l.num_workers}N{l.num_nodes}")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda l: f"E{l.num_experts}S{l.num_slots}W{l.num_workers}N{l.num_nodes}"
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_migration_aware_replan_moves_no_more_and_balances_as_well(layout, seed):
     rng = np.random.default_rng(seed)

@@ -6,13 +6,12 @@ import kmock as kmock_lib
 import kubernetes_validate
 import numpy as np
 import pytest
+from conftest import eventually
 
 from moemesh.common.expert_load import publish_expert_load
 from moemesh.common.placement import PlacementStore
 from moemesh.common.registry import WorkerRecord, heartbeat
 from moemesh.operator.kube import KubeApi
-
-from conftest import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -32,9 +31,18 @@ BASE = {
     "kind": "InferenceMesh",
     "metadata": {"name": "m1", "namespace": "ns1", "uid": "uid-m1", "generation": 1, "resourceVersion": "1"},
     "spec": {
-        "model": {"name": "tiny-moe", "source": "/models/tiny", "numMoeLayers": 2, "numExperts": 8},
-        "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4,
-                   "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}},
+        "model": {
+            "name": "tiny-moe",
+            "source": {"hostPath": {"path": "/models/tiny"}},
+            "numMoeLayers": 2,
+            "numExperts": 8,
+        },
+        "decode": {
+            "replicas": 1,
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}},
+        },
         "expert": {"replicas": 2},
         "eplb": {"enabled": False},
     },
@@ -83,20 +91,51 @@ async def test_created_mesh_gets_every_child_owned_and_valid(kmock, operator):
     await eventually(lambda: all(live(kmock, r, n) for r, n in CHILDREN), message="children")
     for resource, name in CHILDREN:
         manifest = live(kmock, resource, name)
-        assert manifest["metadata"]["ownerReferences"] == [{
-            "apiVersion": "moemesh.io/v1alpha1", "kind": "InferenceMesh", "name": "m1",
-            "uid": "uid-m1", "controller": True, "blockOwnerDeletion": True,
-        }]
+        assert manifest["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "moemesh.io/v1alpha1",
+                "kind": "InferenceMesh",
+                "name": "m1",
+                "uid": "uid-m1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         kubernetes_validate.validate(manifest, "1.30", strict=True)
     decode = live(kmock, "apps/v1/deployments", "m1-decode")
     container = decode["spec"]["template"]["spec"]["containers"][0]
     assert decode["spec"]["replicas"] == 1
-    assert container["command"] == ["moemesh", "serve", "--role", "decode", "--config", "/etc/moemesh/mesh.json"]
+    assert container["command"] == [
+        "moemesh",
+        "serve",
+        "--role",
+        "decode",
+        "--config",
+        "/etc/moemesh/mesh.json",
+        "--host",
+        "$(POD_IP)",
+    ]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1, "memory": "16Gi"}
-    assert container["startupProbe"]["grpc"] == {"port": 50051}
+    assert container["startupProbe"]["grpc"] == {"port": 50051, "service": "liveness"}  # alive, not ready
+    assert container["readinessProbe"]["grpc"] == {"port": 50051}
     assert live(kmock, "apps/v1/statefulsets", "m1-expert")["spec"]["replicas"] == 2
+    not_ready = await eventually(lambda: (condition(kmock, "Ready") or {}).get("reason") == "PodsNotReady"
+                                 and condition(kmock, "Ready"), message="Ready=False until pods are ready")  # fmt: skip
+    assert not_ready["status"] == "False" and "decode 0/1" in not_ready["message"]
+    for resource, kind in (
+        ("deployments", "router"),
+        ("deployments", "prefill"),
+        ("deployments", "decode"),
+        ("statefulsets", "expert"),
+    ):  # what the workload controllers report
+        replicas = live(kmock, f"apps/v1/{resource}", f"m1-{kind}")["spec"]["replicas"]
+        response = await kmock.patch(f"/apis/apps/v1/namespaces/ns1/{resource}/m1-{kind}/status",
+                                     json={"status": {"replicas": replicas, "readyReplicas": replicas}})  # fmt: skip
+        assert response.status < 300
     await eventually(lambda: (condition(kmock, "Ready") or {}).get("status") == "True", message="Ready")
     assert status(kmock)["observedGeneration"] == 1
+    assert all(c["observedGeneration"] == 1 for c in status(kmock)["conditions"])
+    assert role_status(kmock, "decode", "readyReplicas") == 1 and status(kmock)["selector"].endswith("=decode")
 
 
 async def test_spec_change_patches_only_what_changed(kmock, operator):
@@ -106,11 +145,11 @@ async def test_spec_change_patches_only_what_changed(kmock, operator):
     patched = {"decode": {**BASE["spec"]["decode"], "replicas": 3}}
     response = await kmock.patch(f"{MESHES_URL}/m1", json={"metadata": {"generation": 2}, "spec": patched})
     assert response.status < 300
-    await eventually(lambda: live(kmock, "apps/v1/deployments", "m1-decode")["spec"]["replicas"] == 3,
-                     message="decode replicas 3")
+    await eventually(
+        lambda: live(kmock, "apps/v1/deployments", "m1-decode")["spec"]["replicas"] == 3, message="decode replicas 3"
+    )
     # the unchanged config map was created and never patched
-    configmap_writes = [r.method for r in kmock[kmock_lib.resource("v1/configmaps")]
-                        if r.method in ("POST", "PATCH")]
+    configmap_writes = [r.method for r in kmock[kmock_lib.resource("v1/configmaps")] if r.method in ("POST", "PATCH")]
     assert configmap_writes == ["POST"]
 
 
@@ -125,18 +164,27 @@ async def test_invalid_spec_sets_a_condition_and_creates_nothing(kmock, operator
 
 async def test_overload_scales_decode_up_then_down_after_the_window(kmock, operator, redis_client):
     clock = operator
-    autoscaling = {"enabled": True, "targetRequestsPerReplica": 10, "targetKvUsage": 0,
-                   "scaleDownWindowSeconds": 60, "scaleDownPeriodSeconds": 60, "maxStepUp": 4}
+    autoscaling = {
+        "enabled": True,
+        "targetRequestsPerReplica": 10,
+        "targetKvUsage": 0,
+        "scaleDownWindowSeconds": 60,
+        "scaleDownPeriodSeconds": 60,
+        "maxStepUp": 4,
+    }
     for role in ("router", "prefill"):
         heartbeat(redis_client, MESH, record(f"{role}-0", role))
     heartbeat(redis_client, MESH, record("decode-0", "decode", num_queued=30, num_running=10))
     await create(kmock, mesh_body(autoscaling=autoscaling))
-    decode_replicas = lambda: (live(kmock, "apps/v1/deployments", "m1-decode") or {}).get("spec", {}).get("replicas")
+
+    def decode_replicas():
+        return (live(kmock, "apps/v1/deployments", "m1-decode") or {}).get("spec", {}).get("replicas")
+
     await eventually(lambda: decode_replicas() == 4, message="decode scaled up to 4")
     await eventually(lambda: role_status(kmock, "decode", "desiredReplicas") == 4, message="status 4")
     for index in range(4):  # the new pods registered; load is gone
         heartbeat(redis_client, MESH, record(f"decode-{index}", "decode"))
-    await eventually(lambda: role_status(kmock, "decode", "readyReplicas") == 4, message="4 ready")
+    await eventually(lambda: role_status(kmock, "decode", "registeredReplicas") == 4, message="4 registered")
     assert decode_replicas() == 4  # still inside the scale-down window
     clock.now += 61
     await eventually(lambda: decode_replicas() == 3, message="decode scaled down to 3")
@@ -168,8 +216,10 @@ async def test_deleting_the_mesh_removes_children_and_placements(kmock, operator
     eplb = {"enabled": True, "redundantSlots": 2, "intervalSeconds": 0}
     await create(kmock, mesh_body(eplb=eplb))
     store = PlacementStore(redis_client, MESH)
-    await eventually(lambda: store.latest_version() == 1 and live(kmock, "apps/v1/statefulsets", "m1-expert"),
-                     message="placement and children")
+    await eventually(
+        lambda: store.latest_version() == 1 and live(kmock, "apps/v1/statefulsets", "m1-expert"),
+        message="placement and children",
+    )
     await eventually(lambda: live(kmock, MESHES, "m1")["metadata"].get("finalizers"), message="finalizer")
     response = await kmock.delete(f"{MESHES_URL}/m1")
     assert response.status < 300
@@ -184,8 +234,12 @@ async def test_apply_creates_once_then_leaves_an_equal_object_alone(kmock, kubec
     kmock.resources.load_bundled()
     api = KubeApi()
     api.use(kopf.ConnectionInfo(server=str(kmock.url)))
-    manifest = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "ns1"},
-                "data": {"a": "1"}}
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c", "namespace": "ns1"},
+        "data": {"a": "1"},
+    }
     assert await api.apply(manifest) == "created"
     assert await api.apply(manifest) == "unchanged"
     assert await api.apply({**manifest, "data": {"a": "2"}}) == "patched"

@@ -21,11 +21,19 @@ def test_a_stale_tick_keeps_the_reconciles_ready_condition():
     # and a reconcile that read the status before the tick's patch keeps TelemetryAvailable
     again = _record_owned(memo, set_condition(written_by_reconcile, "Ready", False, "InvalidSpec", "x"),
                           RECONCILE_CONDITIONS)  # fmt: skip
-    assert {c["type"]: c["status"] for c in again} == {"SpecValid": "True", "Ready": "False", "TelemetryAvailable": "True"}
+    assert {c["type"]: c["status"] for c in again} == {
+        "SpecValid": "True",
+        "Ready": "False",
+        "TelemetryAvailable": "True",
+    }
 
 
 def test_merge_owned_replaces_in_place_and_appends_missing_types():
     existing = [{"type": "A", "status": "True"}, {"type": "B", "status": "True"}]
     merged = merge_owned(existing, [{"type": "B", "status": "False"}, {"type": "C", "status": "True"}])
-    assert merged == [{"type": "A", "status": "True"}, {"type": "B", "status": "False"}, {"type": "C", "status": "True"}]
+    assert merged == [
+        {"type": "A", "status": "True"},
+        {"type": "B", "status": "False"},
+        {"type": "C", "status": "True"},
+    ]
     assert existing[1]["status"] == "True"  # inputs untouched

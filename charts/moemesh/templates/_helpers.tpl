@@ -49,3 +49,26 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
 {{- end -}}
+
+{{/* NetworkPolicy ingress rule: Prometheus (networkPolicy.monitoring) to the metrics port;
+     no selector given = the namespace named "monitoring". */}}
+{{- define "moemesh.monitoringIngress" -}}
+{{- $monitoring := .Values.networkPolicy.monitoring -}}
+{{- $peer := dict -}}
+{{- with $monitoring.namespaceSelector }}{{ $_ := set $peer "namespaceSelector" . }}{{ end -}}
+{{- with $monitoring.podSelector }}{{ $_ := set $peer "podSelector" . }}{{ end -}}
+{{- if not $peer }}
+{{- $_ := set $peer "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" "monitoring")) }}
+{{- end -}}
+{{- toYaml (list (dict "from" (list $peer) "ports" (list (dict "port" "metrics" "protocol" "TCP")))) -}}
+{{- end -}}
+
+{{/* One line naming the default mesh's model source, for NOTES.txt. */}}
+{{- define "moemesh.sourceSummary" -}}
+{{- $source := .Values.mesh.model.source | default (dict "builtin" "smollm2") -}}
+{{- if $source.builtin }}builtin {{ $source.builtin }}
+{{- else if $source.pvc }}PVC {{ $source.pvc.claimName }}, path {{ $source.pvc.path }}
+{{- else if $source.hostPath }}node path {{ $source.hostPath.path }}
+{{- else if $source.hf }}Hugging Face {{ $source.hf.repo }}@{{ $source.hf.revision | default "main" }}
+{{- end -}}
+{{- end -}}
