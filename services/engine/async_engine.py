@@ -123,8 +123,12 @@ class AsyncEngine:
         try:
             await self.call(
                 lambda e: e.add_request(
-                    prompt_token_ids, params, request_id,
-                    remote_prefill=remote_prefill, kv_export_start=kv_export_start, detokenize=False,
+                    prompt_token_ids,
+                    params,
+                    request_id,
+                    remote_prefill=remote_prefill,
+                    kv_export_start=kv_export_start,
+                    detokenize=False,
                 )  # fmt: skip
             )
             while not done:

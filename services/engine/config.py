@@ -23,6 +23,10 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the checkpoint's context length
     seed: int = 0
     load_routed_experts: bool = True  # False: MoE experts run elsewhere (remote executor), skip their weights
+    # Ping-pong micro-batch overlap of MoE models: a round of >= 2 requests runs as two micro-batches
+    # so one's attention runs while the other's routed experts run. None: on when the expert
+    # executor runs them asynchronously (remote experts); True / False: always / never.
+    micro_batch_overlap: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -75,7 +79,7 @@ class SchedulerConfig:
             )
 
 
-_SPEC_METHODS = ("none", "ngram", "draft")
+_SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 _SPEC_SCHEDULING = ("fixed", "confidence")
 
 
@@ -87,7 +91,9 @@ class SpecConfig:
     `ngram` drafts by prompt lookup; `draft` runs `draft_model` (a GGUF file or HF directory with
     the target's vocabulary), optionally cut to its first `draft_num_layers` layers (a
     self-speculative draft of the target itself), in `draft_dtype` (None: the target's), with its
-    own KV cache of `draft_kv_memory_gib`."""
+    own KV cache of `draft_kv_memory_gib`; `mtp` drafts with the target checkpoint's own
+    multi-token-prediction layer (DeepSeek-V3 `num_nextn_predict_layers`) from the target's hidden
+    states, in the target's dtype, with its own KV cache of `draft_kv_memory_gib`."""
 
     method: str = "none"
     num_speculative_tokens: int = 4

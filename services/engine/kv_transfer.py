@@ -167,7 +167,7 @@ class KVTransport(abc.ABC):
     async def fetch(self, task: RemotePrefillTask) -> RemoteKV:
         """Prefill on P and receive the KV plus the first token; raises KVTransferError."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook; the default holds nothing
         """Release connections; called once at worker shutdown."""
 
 

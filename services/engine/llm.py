@@ -31,9 +31,17 @@ class LLM:
         seed: int = 0,
         speculative: SpecConfig | None = None,
         show_progress: bool = True,
+        micro_batch_overlap: bool | None = None,  # MoE ping-pong; None: with remote experts only
     ):
         config = EngineConfig(
-            model=ModelConfig(model or default_model_path(), dtype, device, max_model_len, seed),
+            model=ModelConfig(
+                model or default_model_path(),
+                dtype,
+                device,
+                max_model_len,
+                seed,
+                micro_batch_overlap=micro_batch_overlap,
+            ),
             cache=CacheConfig(block_size, num_blocks, kv_memory_gib, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
             spec=speculative or SpecConfig(),

@@ -23,7 +23,6 @@ import torch
 
 from moemesh.common.block_hash import HashExtra
 from moemesh.engine.config import EngineConfig
-from moemesh.text.detokenizer import IncrementalDetokenizer
 from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_cache_manager import KVCacheManager
 from moemesh.engine.kv_transfer import ExportedKV, KVLayout, RemoteKV, cache_tensors, gather_kv, kv_layout, scatter_kv
@@ -37,6 +36,7 @@ from moemesh.engine.scheduler import Scheduler
 from moemesh.engine.scheduler_output import SchedulerOutput
 from moemesh.engine.spec.confidence import CostTable
 from moemesh.engine.spec.decoder import SpecDecoder
+from moemesh.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ class LLMEngine:
         self.config = config
         checkpoint = open_checkpoint(config.model.model)
         self.tokenizer = checkpoint.tokenizer
-        self.model = build_model(checkpoint, config.model.dtype, config.model.device, show_progress,
-                                 config.model.load_routed_experts)
+        self.model = build_model(
+            checkpoint, config.model.dtype, config.model.device, show_progress, config.model.load_routed_experts
+        )
         self.model_id = checkpoint.model_id
         self.max_model_len = min(config.model.max_model_len or 1 << 30, self.model.cfg.max_position)
         self.budget = measure_cache_budget(self.model, config.model, config.cache)
@@ -61,7 +62,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.model, self.budget)
         self.kv_layout: KVLayout = kv_layout(self.model, self.model_id)
         self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table(),
-                                config.model, self.model.cfg.vocab_size)  # fmt: skip
+                                config.model, self.model.cfg.vocab_size, self.model)  # fmt: skip
+        self.runner.keep_hidden_states = self.spec.needs_hidden_states
         # execution overlap: one runner thread, at most two rounds in flight (one running, one queued)
         self._overlap: ThreadPoolExecutor | None = None
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
@@ -105,7 +107,8 @@ class LLMEngine:
         self._check_prompt(prompt_token_ids)
         if kv_export_start is not None and not 0 <= kv_export_start < len(prompt_token_ids):
             raise InvalidRequestError(
-                f"kv_export_start must be in [0, {len(prompt_token_ids)}), got {kv_export_start}", param="kv_export_start"
+                f"kv_export_start must be in [0, {len(prompt_token_ids)}), got {kv_export_start}",
+                param="kv_export_start",
             )
         request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
         request.remote_prefill = remote_prefill
@@ -202,7 +205,9 @@ class LLMEngine:
             return None
         start, end = request.kv_export_start, request.num_prompt_tokens
         kv_manager = self.kv_cache_manager
-        data = gather_kv(cache_tensors(self.model), kv_manager.get_block_ids(request_id), kv_manager.block_size, start, end)
+        data = gather_kv(
+            cache_tensors(self.model), kv_manager.get_block_ids(request_id), kv_manager.block_size, start, end
+        )
         self.scheduler.release_held(request_id)
         logprob = request.output_logprobs[0] if request.output_logprobs else None
         return ExportedKV(
@@ -248,7 +253,8 @@ class LLMEngine:
         num_before = {rid: len(requests[rid].output_token_ids)
                       for rid in scheduler_output.num_scheduled_tokens if rid in requests}  # fmt: skip
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        self.spec.record(scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids)
+        self.spec.record(scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids,
+                         runner_output.hidden_states)  # fmt: skip
         return self._process_outputs(updated, runner_output.logprobs, num_before)
 
     @property
@@ -265,7 +271,9 @@ class LLMEngine:
             self._in_flight.clear()
             self._overlap.shutdown()
 
-    def _process_outputs(self, updated: list[Request], logprobs: dict, num_before: dict[str, int]) -> list[RequestOutput]:
+    def _process_outputs(
+        self, updated: list[Request], logprobs: dict, num_before: dict[str, int]
+    ) -> list[RequestOutput]:
         outputs, stopped, new_tokens = [], [], {}
         for request in updated:
             logprob = logprobs.get(request.request_id)

@@ -4,6 +4,14 @@ sample every request that reached the end of its known tokens in one vectorized 
 Batch order: requests with one query token (decode) first, then prefill chunks. The runner keeps
 its own copy of each request (token ids, block ids) updated from the scheduler's deltas and the
 tokens it samples.
+
+Ping-pong micro-batch overlap (`ModelConfig.micro_batch_overlap`; by default on when the MoE
+model's experts run remotely): a round of >= 2 requests is cut into two runs of whole requests,
+A = the first k in batch order, B = the rest, with about equal tokens, each with attention
+metadata of its own; the model interleaves them (models/decoder_model.py) and the hidden states
+come back in batch order. Per layer A's attention runs before B's, so a request of B may read KV
+that a request of A writes in the same round (a prefix hit on blocks being filled), never the
+other way round: `micro_batch_split` only cuts where no request of A reads a block B writes.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from torch import nn
 from moemesh.engine.config import CacheBudget, CacheConfig, ModelConfig
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.loader.build import DTYPES
+from moemesh.engine.models.decoder_model import MicroBatch
 from moemesh.engine.request import Logprob
 from moemesh.engine.sampler import Sampler, SamplingTensors
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler_output import SchedulerOutput
+from moemesh.engine.spec.proposer import TargetHiddenStates
 from moemesh.engine.spec.rejection import verify_drafts
 
 
@@ -39,6 +49,41 @@ class CachedRequestState:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # with speculation, several
     logprobs: dict[str, Logprob] = field(default_factory=dict)
+    # per scheduled request, only when `ModelRunner.keep_hidden_states` (an MTP proposer reads them)
+    hidden_states: dict[str, TargetHiddenStates] = field(default_factory=dict)
+
+
+def micro_batch_split(
+    num_new: np.ndarray,  # [num_reqs] query tokens per request, in batch order
+    context_lens: np.ndarray,  # [num_reqs] cached + new tokens
+    block_tables: np.ndarray,  # [num_reqs, max_num_blocks]
+    slot_mapping: np.ndarray,  # [num_tokens]
+    block_size: int,
+) -> int | None:
+    """k such that requests [0, k) and [k, num_reqs) are the two micro-batches: the most even
+    split in tokens among those where no request before k reads a block that a request from k on
+    writes this round. None: no such split (or one request): run the round whole."""
+    num_reqs = len(num_new)
+    if num_reqs < 2:
+        return None
+    written = slot_mapping // block_size  # [num_tokens] block of each new token
+    written, first = np.unique(written, return_index=True)  # a block is written by one request
+    writer = np.repeat(np.arange(num_reqs), num_new)[first]  # [num_written_blocks]
+    num_read = -(-context_lens // block_size)  # [num_reqs] blocks each request's attention reads
+    mask = np.arange(block_tables.shape[1])[None, :] < num_read[:, None]
+    reader, read = np.nonzero(mask)[0], block_tables[mask]  # [num_reads]
+    at = np.minimum(np.searchsorted(written, read), len(written) - 1)
+    later = (written[at] == read) & (writer[at] > reader)  # read here, written by a later request
+    # a cut k with reader < k <= writer would run the read before the write
+    cuts_broken = np.zeros(num_reqs + 2, dtype=np.int64)
+    np.add.at(cuts_broken, reader[later] + 1, 1)
+    np.add.at(cuts_broken, writer[at][later] + 1, -1)
+    valid = np.cumsum(cuts_broken)[1:num_reqs] == 0  # cuts k = 1 .. num_reqs - 1
+    if not valid.any():
+        return None
+    cu = np.cumsum(num_new)[:-1]  # [num_reqs - 1] tokens before each cut
+    imbalance = np.where(valid, np.abs(2 * cu - int(num_new.sum())), np.iinfo(np.int64).max)
+    return 1 + int(np.argmin(imbalance))
 
 
 def measure_cache_budget(model: nn.Module, model_config: ModelConfig, cache_config: CacheConfig) -> CacheBudget:
@@ -60,6 +105,8 @@ class ModelRunner:
             attn.bind_kv_cache([torch.zeros(shape, dtype=dtype, device=self.device) for shape in shapes])
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(model_config.seed))
         self.requests: dict[str, CachedRequestState] = {}
+        self.keep_hidden_states = False  # set by the engine when its proposer drafts from them
+        self.micro_batch_overlap = model_config.micro_batch_overlap  # None: when the experts run remotely
 
     # -- state updates from the scheduler ------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -128,10 +175,19 @@ class ModelRunner:
             block_tables=self._tensor(block_tables, torch.int32),
             num_decode_reqs=int(np.count_nonzero(num_new == 1)),
         )
-        hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta)  # [num_tokens, hidden]
+        split = None
+        if self._overlap_micro_batches():
+            split = micro_batch_split(num_new, context_lens, block_tables, slot_mapping, self.block_size)
+        if split is None:
+            hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta)  # [num_tokens, hidden]
+        else:
+            hidden = self._forward_micro_batches(split, token_ids, positions, cu, meta)  # [num_tokens, hidden]
         for state, n in zip(states, num_new):
             state.num_computed_tokens += int(n)
         output = ModelRunnerOutput()
+        if self.keep_hidden_states:
+            output.hidden_states = {r: TargetHiddenStates(int(a), hidden[int(b) : int(c)])
+                                    for r, a, b, c in zip(order, starts, cu[:-1], cu[1:])}  # fmt: skip
         if len(plain_rows):
             logits = self.model.compute_logits(hidden[self._tensor(cu[1:][plain_rows] - 1)])  # [num_plain, vocab]
             plain_states = [states[i] for i in plain_rows]
@@ -140,6 +196,32 @@ class ModelRunner:
             self._verify([states[i] for i in spec_rows], [spec[order[i]] for i in spec_rows],
                          hidden, cu[1:][spec_rows], output)  # fmt: skip
         return output
+
+    def _overlap_micro_batches(self) -> bool:
+        if not hasattr(self.model, "forward_micro_batches"):  # a dense model: nothing to overlap
+            return False
+        if self.micro_batch_overlap is None:
+            return self.model.experts_overlap_submit
+        return self.micro_batch_overlap
+
+    def _forward_micro_batches(self, k: int, token_ids, positions, cu: np.ndarray, meta: AttentionMetadata):
+        """Requests [0, k) and [k, num_reqs) as two micro-batches; hidden states in batch order."""
+        ids, pos = self._tensor(token_ids), self._tensor(positions)  # [num_tokens]
+        c = int(cu[k])
+        num_decode_a = min(k, meta.num_decode_reqs)
+        halves = [
+            MicroBatch(ids[:c], pos[:c], AttentionMetadata(
+                slot_mapping=meta.slot_mapping[:c], cu_seqlens_q=meta.cu_seqlens_q[: k + 1],
+                context_lens=meta.context_lens[:k], block_tables=meta.block_tables[:k],
+                num_decode_reqs=num_decode_a,
+            )),
+            MicroBatch(ids[c:], pos[c:], AttentionMetadata(
+                slot_mapping=meta.slot_mapping[c:], cu_seqlens_q=self._tensor(cu[k:] - c, torch.int32),
+                context_lens=meta.context_lens[k:], block_tables=meta.block_tables[k:],
+                num_decode_reqs=meta.num_decode_reqs - num_decode_a,
+            )),
+        ]  # fmt: skip
+        return torch.cat(self.model.forward_micro_batches(halves))  # [num_tokens, hidden]
 
     def _verify(self, states, drafts: list[list[int]], hidden, ends: np.ndarray, output: ModelRunnerOutput) -> None:
         """Logits at each spec request's last token and its drafts, then lossless verification."""

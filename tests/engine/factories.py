@@ -14,7 +14,9 @@ EXTRA = HashExtra(model_id="test-model")
 
 def make_request(request_id: str, num_tokens: int, start: int = 0, max_tokens: int = 16, **params) -> Request:
     token_ids = list(range(start, start + num_tokens))
-    return Request(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **params), eos_token_id=-1)
+    return Request(
+        request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **params), eos_token_id=-1
+    )
 
 
 def make_kv(num_blocks: int, block_size: int = 4, caching: bool = True, extra: HashExtra = EXTRA) -> KVCacheManager:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moemesh import LLM, SamplingParams
-from moemesh.engine.layers.attention_metadata import AttentionMetadata
+
+from .oracle_helpers import max_rel_error, prefill_then_decode_logits
 
 MAX_NEW = 32
 PROMPTS = [
@@ -80,32 +81,10 @@ def test_chat_helper_applies_the_models_template(smollm, prompt_ids, hf_greedy):
     assert output.token_ids == hf_greedy[-1]
 
 
-def _prefill_then_decode_logits(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of every prompt position via prefill (all but the last token), then the last via
-    a decode step, written straight through the model with a hand-made block table."""
-    model, block_size = llm.engine.model, llm.engine.budget.block_size
-    num_blocks = -(-len(ids) // block_size)
-    table = torch.arange(1, num_blocks + 1, dtype=torch.int32)[None]  # [1, num_blocks]
-    positions = torch.arange(len(ids))
-    slots = table[0, positions // block_size].long() * block_size + positions % block_size
-    n = len(ids) - 1
-    prefill = AttentionMetadata(slots[:n], torch.tensor([0, n], dtype=torch.int32),
-                                torch.tensor([n], dtype=torch.int32), table, 0)  # fmt: skip
-    decode = AttentionMetadata(slots[n:], torch.tensor([0, 1], dtype=torch.int32),
-                               torch.tensor([n + 1], dtype=torch.int32), table, 1)  # fmt: skip
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids[:n]), positions[:n], prefill)
-        prefill_logits = model.compute_logits(hidden)
-        last = model.compute_logits(model(torch.tensor(ids[n:]), positions[n:], decode))
-    return prefill_logits, last
-
-
 def test_logits_match_hf_within_1e_4_relative(smollm_path, hf_model, prompt_ids):
     llm = LLM(smollm_path, enable_prefix_caching=False, show_progress=False)
     ids = prompt_ids[4]
-    prefill_logits, decode_logits = _prefill_then_decode_logits(llm, ids)
     with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].float()  # [num_tokens, vocab]
-    ours = torch.cat((prefill_logits, decode_logits)).float()
-    rel = ((ours - ref).abs().max(dim=-1).values / ref.abs().max(dim=-1).values).max().item()
+        ref = hf_model(torch.tensor([ids])).logits[0]  # [num_tokens, vocab]
+    rel = max_rel_error(prefill_then_decode_logits(llm, ids), ref)
     assert rel < 1e-4, rel

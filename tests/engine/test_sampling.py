@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moemesh import SamplingParams
@@ -25,8 +26,9 @@ def test_temperature_zero_and_top_k_one_equal_greedy(smollm):
     assert [o.token_ids for o in top_k_one] == greedy
     # rows of one batch mixing greedy and sampled requests keep their greedy rows exact
     mixed = smollm.generate(
-        PROMPTS, [SamplingParams(temperature=0.0, max_tokens=16), SamplingParams(temperature=1.5, max_tokens=16)] * 1
-        + [SamplingParams(temperature=0.0, max_tokens=16)]
+        PROMPTS,
+        [SamplingParams(temperature=0.0, max_tokens=16), SamplingParams(temperature=1.5, max_tokens=16)] * 1
+        + [SamplingParams(temperature=0.0, max_tokens=16)],
     )
     assert mixed[0].token_ids == greedy[0] and mixed[2].token_ids == greedy[2]
 
@@ -54,13 +56,28 @@ def test_streamed_deltas_add_up_to_the_final_text(smollm):
     assert "waves" not in final.text
 
 
-def test_logprobs_are_the_models_log_softmax(smollm):
-    out = smollm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=3, logprobs=4))[0]
-    assert len(out.logprobs) == 3
-    first = out.logprobs[0]
-    assert first.token_id == out.token_ids[0]
-    assert len(first.top) == 4 and max(first.top.values()) == first.logprob  # greedy picks the top one
-    assert all(v <= 0 for v in first.top.values())
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_hugging_faces_log_softmax_at_every_generated_position(smollm, hf_model, hf_tokenizer,
+                                                                             temperature):  # fmt: skip
+    """The returned logprob of each generated token and the top-n of its position equal
+    log_softmax of Hugging Face's logits over the prompt plus the tokens generated before it
+    (with temperature 1 too: logprobs are of the model, not of the sampling distribution)."""
+    num_top, num_new = 5, 6
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=num_new, ignore_eos=True, logprobs=num_top)
+    out = smollm.generate("The sky is", params)[0]
+    assert len(out.token_ids) == len(out.logprobs) == num_new
+    ids = hf_tokenizer("The sky is").input_ids
+    assert out.prompt_token_ids == ids
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1]  # [num_new, vocab]
+    ref = torch.log_softmax(logits.double(), dim=-1)  # [num_new, vocab]
+    for position, (token_id, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        top_values, top_ids = ref[position].topk(num_top)
+        assert got.token_id == token_id
+        assert got.logprob == pytest.approx(ref[position, token_id].item(), abs=1e-4), position
+        assert sorted(got.top) == sorted(top_ids.tolist()), position
+        for top_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
+            assert got.top[top_id] == pytest.approx(value, abs=1e-4), (position, top_id)
 
 
 def _tensors(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None):

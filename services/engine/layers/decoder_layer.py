@@ -20,11 +20,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual, meta):
+        hidden_states, residual = self.attend(positions, hidden_states, residual, meta)
+        return self.mlp(hidden_states), residual
+
+    def attend(self, positions, hidden_states, residual, meta):
+        """Everything before the MLP: (the MLP's input, the residual). The decoder stack calls it
+        alone when it interleaves two micro-batches around a MoE layer's experts."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self.post_attention_layernorm(hidden_states, residual)

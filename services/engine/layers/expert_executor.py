@@ -13,6 +13,12 @@ replica is Placement's "slot"), the derived `replica_counts` and `log2phy` (same
 Placement's). Worker ownership (`slot_owner`, `worker_ids`) is what a remote executor adds; the
 local one owns every replica. Layer indices are MoE-layer ordinals (0 = the model's first MoE
 layer), as in the load counters.
+
+Asynchronous use (ping-pong micro-batch overlap, models/decoder_model.py): `submit` starts a
+layer's experts and returns an `ExpertHandle` at once; `wait` returns the combined output. The
+stack runs the other micro-batch's attention in between. The default `submit` runs `forward`
+synchronously (the local executor: nothing to overlap); a remote executor starts its per-worker
+calls in `submit` and gathers them in `wait`.
 """
 
 from __future__ import annotations
@@ -25,11 +31,34 @@ import numpy as np
 import torch
 
 from moemesh import kernels
+from moemesh.kernels.dispatch import fp8_fused_moe
 
 
 class ExpertWeights(Protocol):
     w13: torch.Tensor  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
     w2: torch.Tensor  # [num_experts, hidden, intermediate]
+    # block-FP8 experts (layers/moe.RoutedExperts.use_fp8) also have fp8_block (block_n, block_k),
+    # w13_scale_inv [num_experts, 2 * ceil(I / bn), ceil(H / bk)], w2_scale_inv [num_experts, ceil(H / bn), ceil(I / bk)]
+
+
+def expert_tensors(experts: ExpertWeights) -> tuple[torch.Tensor, ...]:
+    """(w13, w2), or (w13, w13_scale_inv, w2, w2_scale_inv) for block-FP8 experts: the weight
+    arguments of `kernels.fused_moe` / `kernels.dispatch.fp8_fused_moe`, in their order."""
+    if getattr(experts, "fp8_block", None) is None:
+        return experts.w13, experts.w2
+    return experts.w13, experts.w13_scale_inv, experts.w2, experts.w2_scale_inv
+
+
+def run_experts(
+    hidden_states: torch.Tensor,  # [num_tokens, hidden]
+    tensors: tuple[torch.Tensor, ...],  # expert_tensors(...), rows indexed by replica_ids
+    fp8_block: tuple[int, int] | None,
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    replica_ids: torch.Tensor,  # [num_tokens, top_k] int64
+) -> torch.Tensor:  # [num_tokens, hidden]
+    if fp8_block is None:
+        return kernels.fused_moe(hidden_states, *tensors, topk_weights, replica_ids)
+    return fp8_fused_moe(hidden_states, *tensors, topk_weights, replica_ids, fp8_block)
 
 
 class ExpertPlacement:
@@ -108,12 +137,28 @@ class ExpertPlacement:
         return self._device_tables[device]
 
 
+class ExpertHandle:
+    """An in-flight `submit`; only the executor that made it reads it (in `wait`)."""
+
+
+class CompletedExperts(ExpertHandle):
+    """The default `submit`'s handle: the output, already computed."""
+
+    def __init__(self, output: torch.Tensor):  # [num_tokens, hidden]
+        self.output = output
+
+
 class ExpertExecutor(ABC):
     """Runs the routed experts of one MoE layer for one step's tokens.
 
     Callers:
     - `forward`: the MoE layer (SparseMoE), once per MoE layer per model forward (step), after
       gating, with logical expert ids;
+    - `submit` / `wait`: instead of `forward` when a step runs as two micro-batches
+      (SparseMoE.start / finish): per MoE layer and micro-batch one `submit`, then, after the
+      other micro-batch's attention, one `wait` on its handle. Handles of both micro-batches (and
+      of two consecutive layers) may be in flight at once; each is waited exactly once, in
+      submission order per micro-batch;
     - `set_placement`: the worker, between steps, when a new placement version becomes current
       (never during a forward, so one step sees one placement).
     """
@@ -127,6 +172,24 @@ class ExpertExecutor(ABC):
         topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     ) -> torch.Tensor:  # [num_tokens, hidden]: sum_j topk_weights[t, j] * E_{topk_ids[t, j]}(x[t])
         ...
+
+    # True when `submit` returns before the experts have run (remote experts): the model runner
+    # then splits rounds into two micro-batches by default (ModelConfig.micro_batch_overlap None).
+    overlaps_submit: bool = False
+
+    def submit(
+        self,
+        layer: int,  # MoE-layer ordinal
+        hidden_states: torch.Tensor,  # [num_tokens, hidden]
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] int64, logical experts
+        topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    ) -> ExpertHandle:
+        """Start the layer's experts; by default run them now (`forward`)."""
+        return CompletedExperts(self.forward(layer, hidden_states, topk_ids, topk_weights))
+
+    def wait(self, handle: ExpertHandle) -> torch.Tensor:  # [num_tokens, hidden], as `forward` returns
+        assert isinstance(handle, CompletedExperts), f"{type(self).__name__} got a foreign handle"
+        return handle.output
 
     @abstractmethod
     def set_placement(self, placement: ExpertPlacement) -> None: ...
@@ -154,7 +217,7 @@ class LocalExpertExecutor(ExpertExecutor):
         num_experts = self.experts[0].w13.shape[0] if self.experts else 0
         self.placement = placement or ExpertPlacement.identity(max(1, len(self.experts)), max(1, num_experts))
         self._check(self.placement)
-        self._replica_weights: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        self._replica_weights: dict[int, tuple] = {}  # layer -> (key, *replica tensors)
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         self._check(placement)
@@ -163,24 +226,24 @@ class LocalExpertExecutor(ExpertExecutor):
 
     def forward(self, layer, hidden_states, topk_ids, topk_weights):
         replica_ids = self.placement.replica_ids(layer, topk_ids)  # [num_tokens, top_k]
-        w13, w2 = self._weights(layer)
-        return kernels.fused_moe(hidden_states, w13, w2, topk_weights, replica_ids)
+        fp8_block = getattr(self.experts[layer], "fp8_block", None)
+        return run_experts(hidden_states, self._weights(layer), fp8_block, topk_weights, replica_ids)
 
-    def _weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weights(self, layer: int) -> tuple[torch.Tensor, ...]:  # expert_tensors, one row per replica
         experts = self.experts[layer]
         if experts.w13.shape[0] == 0:
             raise RuntimeError("this model was loaded without its routed expert weights "
                                "(load_routed_experts=False): install a remote ExpertExecutor first")  # fmt: skip
+        tensors = expert_tensors(experts)
         if self.placement.is_identity:
-            return experts.w13, experts.w2
+            return tensors
         key = (experts.w13.data_ptr(), experts.w2.data_ptr(), experts.w13.dtype, experts.w13.device)
         cached = self._replica_weights.get(layer)
         if cached is None or cached[0] != key:
             phy2log = self.placement.phy2log[layer].to(experts.w13.device)  # [num_replicas]
-            w13 = experts.w13.detach().index_select(0, phy2log)  # [num_replicas, 2 * intermediate, hidden]
-            w2 = experts.w2.detach().index_select(0, phy2log)  # [num_replicas, hidden, intermediate]
-            cached = self._replica_weights[layer] = (key, w13, w2)
-        return cached[1], cached[2]
+            # each [num_replicas, ...]: the expert rows (and their FP8 scales) copied per replica
+            cached = self._replica_weights[layer] = (key, *(t.detach().index_select(0, phy2log) for t in tensors))
+        return cached[1:]
 
     def _check(self, placement: ExpertPlacement) -> None:
         if self.experts and (placement.num_layers, placement.num_experts) != (

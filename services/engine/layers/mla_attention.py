@@ -105,8 +105,11 @@ class MLAAttention(nn.Module):
             q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
             allowed = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                attn_mask=allowed, scale=self.scale,
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=allowed,
+                scale=self.scale,
             )  # fmt: skip  [1, H, q_len, dv]
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out

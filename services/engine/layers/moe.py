@@ -6,6 +6,11 @@ One forward: router logits (`MoEGate`) -> top-k selection (`select_experts`, thr
 gating functions) -> load counting (logical ids) -> `ExpertExecutor` (dispatch to the experts'
 replicas, expert FFNs, weighted combine) -> + shared experts.
 
+For ping-pong micro-batch overlap the same forward is split in two: `start` (gating, load
+counting, `ExpertExecutor.submit`) and `finish` (shared experts, then `ExpertExecutor.wait` and
+the sum), so the decoder stack can run the other micro-batch's attention while the routed experts
+run remotely. `forward(x)` is `finish(start(x))` with the synchronous `ExpertExecutor.forward`.
+
 Gating recipes (`GatingConfig.method`):
 - "topk_softmax" (Mixtral, Qwen3-MoE): softmax over all experts, the top_k largest, optionally
   renormalized (`norm_topk_prob`; Mixtral always).
@@ -26,7 +31,8 @@ from torch import nn
 
 from moemesh import kernels
 from moemesh.engine.expert_load import ExpertLoadCounter
-from moemesh.engine.layers.expert_executor import ExpertExecutor
+from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertHandle
+from moemesh.kernels.fp8 import FP8_DTYPE, cdiv
 
 _METHODS = ("topk_softmax", "grouped_topk")
 
@@ -83,7 +89,15 @@ class MoEGate(nn.Module):
 class RoutedExperts(nn.Module):
     """The routed experts' SwiGLU weights, stacked: w13 [num_experts, 2 * intermediate, hidden]
     (gate rows, then up rows) and w2 [num_experts, hidden, intermediate], the layout of
-    `kernels.fused_moe` and of transformers' in-memory `experts.gate_up_proj` / `down_proj`."""
+    `kernels.fused_moe` and of transformers' in-memory `experts.gate_up_proj` / `down_proj`.
+
+    Block-FP8 storage (`use_fp8`, DeepSeek-V3 checkpoints): w13 / w2 float8_e4m3fn plus float32
+    buffers w13_scale_inv [num_experts, 2 * ceil(I / bn), ceil(H / bk)] (each expert's gate_proj
+    scales, then its up_proj scales, each part blocked on its own) and w2_scale_inv
+    [num_experts, ceil(H / bn), ceil(I / bk)], the layout of `kernels.dispatch.fp8_fused_moe`.
+    The scales are buffers, not parameters: the loader writes them (loader/fp8_checkpoint.py)."""
+
+    fp8_block: tuple[int, int] | None = None  # (block_n, block_k) when the weights are block-FP8
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -94,6 +108,25 @@ class RoutedExperts(nn.Module):
         """Hold no expert (zero rows): a worker whose routed experts run on expert workers."""
         self.w13 = nn.Parameter(self.w13.new_empty(0, *self.w13.shape[1:]), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0, *self.w2.shape[1:]), requires_grad=False)
+        if self.fp8_block is not None:
+            self.w13_scale_inv = self.w13_scale_inv.new_empty(0, *self.w13_scale_inv.shape[1:])
+            self.w2_scale_inv = self.w2_scale_inv.new_empty(0, *self.w2_scale_inv.shape[1:])
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Switch to block-FP8 storage (uninitialized, on the weights' device: meta before loading)."""
+        block_n, block_k = block
+        num_experts, rows, hidden = self.w13.shape
+        inter = rows // 2
+        self.w13 = nn.Parameter(self.w13.new_empty(self.w13.shape, dtype=FP8_DTYPE), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(self.w2.shape, dtype=FP8_DTYPE), requires_grad=False)
+        scales = dict(dtype=torch.float32, device=self.w13.device)
+        self.register_buffer(
+            "w13_scale_inv", torch.empty(num_experts, 2 * cdiv(inter, block_n), cdiv(hidden, block_k), **scales)
+        )
+        self.register_buffer(
+            "w2_scale_inv", torch.empty(num_experts, cdiv(hidden, block_n), cdiv(inter, block_k), **scales)
+        )
+        self.fp8_block = (int(block_n), int(block_k))
 
 
 @dataclass
@@ -103,6 +136,14 @@ class MoERuntime:
 
     executor: ExpertExecutor
     expert_load: ExpertLoadCounter
+
+
+@dataclass
+class PendingMoE:
+    """A started MoE layer (`SparseMoE.start`), finished by `SparseMoE.finish`."""
+
+    x: torch.Tensor  # [num_tokens, hidden], the layer input (the shared experts read it)
+    handle: ExpertHandle  # the routed experts in flight
 
 
 class SparseMoE(nn.Module):
@@ -125,10 +166,25 @@ class SparseMoE(nn.Module):
         self.runtime = runtime  # shared by the model's MoE layers; not module state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, hidden] -> [num_tokens, hidden]
-        router_logits = self.gate(x)  # [num_tokens, num_experts]
-        topk_weights, topk_ids = select_experts(router_logits, self.gating, self.gate.e_score_correction_bias)
-        self.runtime.expert_load.record(self.layer, topk_ids)
+        topk_weights, topk_ids = self._route(x)
         out = self.runtime.executor.forward(self.layer, x, topk_ids, topk_weights)  # [num_tokens, hidden]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def start(self, x: torch.Tensor) -> PendingMoE:  # x [num_tokens, hidden]
+        """Gate and submit the routed experts; returns before they have run (remote executor)."""
+        topk_weights, topk_ids = self._route(x)
+        return PendingMoE(x, self.runtime.executor.submit(self.layer, x, topk_ids, topk_weights))
+
+    def finish(self, pending: PendingMoE) -> torch.Tensor:  # [num_tokens, hidden], as forward returns
+        """The shared experts (while the routed ones may still run), then the routed output."""
+        shared = self.shared_experts(pending.x) if self.shared_experts is not None else None
+        out = self.runtime.executor.wait(pending.handle)  # [num_tokens, hidden]
+        return out if shared is None else out + shared
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids [num_tokens, top_k]
+        router_logits = self.gate(x)  # [num_tokens, num_experts]
+        topk_weights, topk_ids = select_experts(router_logits, self.gating, self.gate.e_score_correction_bias)
+        self.runtime.expert_load.record(self.layer, topk_ids)
+        return topk_weights, topk_ids

@@ -13,7 +13,7 @@ Routed-expert tensors (names parsed by models/expert_names.py) all map onto `exp
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertPlacement, LocalExpertExecutor
 from moemesh.engine.layers.moe import MoERuntime, SparseMoE
 from moemesh.engine.models.config import TransformerConfig
-from moemesh.engine.models.decoder_model import DecoderModel, copy_weight
+from moemesh.engine.models.decoder_model import DecoderModel, MicroBatch, copy_weight
 from moemesh.engine.models.expert_names import parse_expert_weight_name
 
 _EXPERT_SHARD = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}  # per-expert part -> (param, shard)
@@ -76,6 +76,16 @@ class MoEForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
         self.moe_runtime.expert_load.begin_step()
         return self.model(input_ids, positions, meta)
+
+    def forward_micro_batches(self, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:  # [num_tokens_i, hidden]
+        """One round as micro-batches whose attention and remote experts interleave (ping-pong)."""
+        self.moe_runtime.expert_load.begin_step()
+        return self.model.forward_micro_batches(batches)
+
+    @property
+    def experts_overlap_submit(self) -> bool:
+        """Whether the executor's experts run while the stack goes on (remote): ping-pong pays."""
+        return self.moe_runtime.executor.overlaps_submit
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [num_reqs, vocab]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

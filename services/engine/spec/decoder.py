@@ -4,7 +4,9 @@ and decide how many of them the round verifies; after it, count what was accepte
 Called by `LLMEngine.step()`: `prepare(running)` before `Scheduler.schedule()`, `record(...)`
 after `Scheduler.update_from_output()`. A stateful proposer (the draft model's KV cache) keeps
 state only for the requests of its latest `propose` call, so requests that finished or were
-preempted are freed at the next `prepare`, which always calls it.
+preempted are freed at the next `prepare`, which always calls it. The MTP proposer also keeps
+requests that are still prefilling, and reads the target's hidden states of every round from
+`record` (`needs_hidden_states`: the engine asks the runner for them).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from torch import nn
+
 from moemesh.engine.config import ModelConfig, SpecConfig
 from moemesh.engine.request import Request
 from moemesh.engine.spec.confidence import CostTable, schedule_draft_lengths
 from moemesh.engine.spec.ngram import NgramProposer
-from moemesh.engine.spec.proposer import NullProposer, Proposer
+from moemesh.engine.spec.proposer import NullProposer, Proposer, TargetHiddenStates
 
 
 @dataclass
@@ -50,13 +54,16 @@ class SpecDecoder:
         cost: CostTable | None,
         target: ModelConfig | None = None,
         target_vocab_size: int | None = None,
+        target_model: nn.Module | None = None,
     ):
         """`target` / `target_vocab_size`: the target model's config and vocabulary, needed by
-        the draft-model proposer (same device, same vocabulary)."""
+        the draft-model proposer (same device, same vocabulary); `target_model`: the loaded
+        target, whose embedding and LM head the MTP proposer shares."""
         self.config = config
         self.max_model_len = max_model_len
         self.cost = cost
         self.proposer: Proposer = NullProposer()
+        self._mtp = None  # the MTP proposer, which also reads hidden states
         if config.method == "ngram":
             self.proposer = NgramProposer(config.ngram_min_n, config.ngram_max_n)
         elif config.method == "draft":
@@ -64,7 +71,17 @@ class SpecDecoder:
 
             assert target is not None and target_vocab_size is not None, "a draft model needs the target's config"
             self.proposer = load_draft_proposer(config, target, target_vocab_size)
+        elif config.method == "mtp":
+            from moemesh.engine.spec.mtp import load_mtp_proposer
+
+            assert target is not None and target_model is not None, "MTP needs the target model"
+            self.proposer = self._mtp = load_mtp_proposer(config, target, target_model)
         self.stats = SpecStats()
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether `record` needs the target's hidden states (`ModelRunnerOutput.hidden_states`)."""
+        return self._mtp is not None
 
     def prepare(self, running: list[Request]) -> None:
         """Set `spec_token_ids` on running requests that are decoding (prefill done)."""
@@ -79,9 +96,13 @@ class SpecDecoder:
             if decoding and room > 0 and request.sampling_params.logprobs is None:
                 candidates[request.request_id] = (request, room)
         start = time.perf_counter()
-        proposals = self.proposer.propose(  # also with no candidates: stateful proposers free the rest
-            {rid: r.all_token_ids for rid, (r, _) in candidates.items()}, self.config.num_speculative_tokens
-        )
+        token_ids = {rid: r.all_token_ids for rid, (r, _) in candidates.items()}
+        k = self.config.num_speculative_tokens
+        if self._mtp is not None:
+            prefilling = {r.request_id for r in running if r.num_computed_tokens < r.num_tokens - 1}
+            proposals = self._mtp.propose(token_ids, k, keep=prefilling)
+        else:  # also with no candidates: stateful proposers free the rest
+            proposals = self.proposer.propose(token_ids, k)
         draft_seconds = time.perf_counter() - start  # part of the round's time, whatever is verified
         if not proposals:
             return
@@ -96,7 +117,15 @@ class SpecDecoder:
         for rid, proposal in proposals.items():
             candidates[rid][0].spec_token_ids = proposal.token_ids[: lengths.get(rid, 0)]
 
-    def record(self, scheduled_spec: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+    def record(
+        self,
+        scheduled_spec: dict[str, list[int]],
+        sampled: dict[str, list[int]],
+        hidden_states: dict[str, TargetHiddenStates] | None = None,
+    ) -> None:
+        """After a round: count accepted drafts; hand the round's hidden states to the proposer."""
+        if self._mtp is not None and hidden_states:
+            self._mtp.observe(hidden_states)
         if not scheduled_spec:
             return
         self.stats.num_rounds += 1

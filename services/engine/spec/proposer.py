@@ -4,6 +4,10 @@ Called by the engine once per round, before scheduling, for the requests that ar
 A proposal carries per-token confidences (the DSpark scheduler's input) and, when the proposer
 has a distribution, the draft probabilities that rejection sampling needs; a deterministic
 proposer (n-gram lookup) proposes point masses, for which `draft_probs` is None.
+
+A proposer that drafts from the target model's hidden states (MTP) reads them from every round's
+`ModelRunnerOutput.hidden_states` (`TargetHiddenStates` per scheduled request); the runner fills
+that only when the engine's proposer asks for it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ class DraftProposal:
     def truncated(self, k: int) -> DraftProposal:
         probs = None if self.draft_probs is None else self.draft_probs[:k]
         return DraftProposal(self.token_ids[:k], self.confidences[:k], probs)
+
+
+@dataclass
+class TargetHiddenStates:
+    """The target model's last hidden states (the input of its LM head) of the tokens one round
+    fed a request: positions start .. start + len - 1 (known tokens, then any drafts)."""
+
+    start: int  # position of the first row (the request's computed tokens before the round)
+    hidden_states: torch.Tensor  # [num_scheduled_tokens, hidden], the model dtype, on the device
 
 
 class Proposer(Protocol):

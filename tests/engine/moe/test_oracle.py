@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from moemesh import LLM, SamplingParams
-from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.mla_attention import MLAAttention
 from moemesh.engine.layers.moe import select_experts
+
+from ..oracle_helpers import max_rel_error, prefill_then_decode_logits
 from .models import BUILDERS, MAX_NEW, build_deepseek_v3, hf_greedy, make_prompts, save_tiny
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -56,34 +57,13 @@ def test_chunked_prefill_with_a_small_token_budget_matches_hf_greedy(tiny):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def _prefill_then_decode_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits of every position: prefill all but the last token, then one decode step."""
-    model, block_size = llm.engine.model, llm.engine.budget.block_size
-    table = torch.arange(1, -(-len(ids) // block_size) + 1, dtype=torch.int32)[None]  # [1, num_blocks]
-    positions = torch.arange(len(ids))
-    slots = table[0, positions // block_size].long() * block_size + positions % block_size
-    n = len(ids) - 1
-    prefill = AttentionMetadata(slots[:n], torch.tensor([0, n], dtype=torch.int32),
-                                torch.tensor([n], dtype=torch.int32), table, 0)  # fmt: skip
-    decode = AttentionMetadata(slots[n:], torch.tensor([0, 1], dtype=torch.int32),
-                               torch.tensor([n + 1], dtype=torch.int32), table, 1)  # fmt: skip
-    with torch.inference_mode():
-        first = model.compute_logits(model(torch.tensor(ids[:n]), positions[:n], prefill))
-        last = model.compute_logits(model(torch.tensor(ids[n:]), positions[n:], decode))
-    return torch.cat((first, last))  # [len(ids), vocab]
-
-
-def _max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max(dim=-1).values / ref.abs().max(dim=-1).values).max().item()
-
-
 def test_logits_match_hf_within_1e_4_relative(tiny):
     path, hf, prompts, expected = tiny
     ids = prompts[6] + expected[6]  # 45 tokens: prefill 44, decode 1
-    ours = _prefill_then_decode_logits(_engine(path, enable_prefix_caching=False), ids)
+    ours = prefill_then_decode_logits(_engine(path, enable_prefix_caching=False), ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()  # [num_tokens, vocab]
-    assert _max_rel_error(ours, ref) < 1e-4
+    assert max_rel_error(ours, ref) < 1e-4
 
 
 def test_deepseek_v3_without_q_lora_matches_hf_logits(tmp_path):
@@ -93,7 +73,7 @@ def test_deepseek_v3_without_q_lora_matches_hf_logits(tmp_path):
     ids = make_prompts(seed=5)[6]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    assert _max_rel_error(_prefill_then_decode_logits(llm, ids), ref) < 1e-4
+    assert max_rel_error(prefill_then_decode_logits(llm, ids), ref) < 1e-4
 
 
 def test_deepseek_v3_paged_cache_holds_only_the_latent_and_rope_key(deepseek):

@@ -27,9 +27,7 @@ def reference(smollm):
     [("smollm", "confidence"), ("random", "fixed")],
     ids=["own-draft-confidence", "random-draft-fixed"],
 )
-def test_draft_model_speculation_keeps_greedy_output_identical(
-    smollm_path, tiny_draft, reference, draft, scheduling
-):
+def test_draft_model_speculation_keeps_greedy_output_identical(smollm_path, tiny_draft, reference, draft, scheduling):
     draft_path = smollm_path if draft == "smollm" else tiny_draft[0]
     spec = SpecConfig(method="draft", draft_model=draft_path, scheduling=scheduling, num_speculative_tokens=4)
     llm = LLM(smollm_path, speculative=spec, show_progress=False)

@@ -20,4 +20,6 @@ def test_majority_vote_and_confidence_grow_with_agreement():
 
 def test_no_match_means_no_proposal():
     assert NgramProposer().propose_one([1, 2, 3, 4, 5], 4) is None
-    assert NgramProposer().propose({"a": [1, 2, 3], "b": [7, 7, 7, 7]}, 2) == {"b": NgramProposer().propose_one([7, 7, 7, 7], 2)}
+    assert NgramProposer().propose({"a": [1, 2, 3], "b": [7, 7, 7, 7]}, 2) == {
+        "b": NgramProposer().propose_one([7, 7, 7, 7], 2)
+    }

@@ -74,5 +74,7 @@ def test_greedy_rows_accept_the_matching_prefix_then_emit_the_argmax():
 
 def test_requests_without_drafts_emit_one_token():
     target = torch.softmax(torch.tensor([[[0.0, 9.0, 0.0]]]), -1)
-    out = verify_drafts(target, torch.zeros(1, 0, dtype=torch.int64), torch.tensor([0]), torch.ones(1, dtype=torch.bool))
+    out = verify_drafts(
+        target, torch.zeros(1, 0, dtype=torch.int64), torch.tensor([0]), torch.ones(1, dtype=torch.bool)
+    )
     assert out.token_ids == [[1]] and out.num_accepted == [0]
