@@ -57,8 +57,12 @@ def main() -> None:
             replan_ms = best_time_ms(lambda: replan(second, layout, current.phy2log), max(1, args.repeats // 2))
             result = replan(second, layout, current.phy2log)
             print(f"{'  keep current':<32} {sigma:6.1f} {'-':>8} {result.current_imbalance:10.3f} {0:7d}")
-            print(f"{'  from scratch':<32} {sigma:6.1f} {'-':>8} {result.scratch.imbalance:10.3f} {result.scratch_moves:7d}")
-            print(f"{'  migration-aware':<32} {sigma:6.1f} {replan_ms:8.1f} {result.plan.imbalance:10.3f} {result.moves:7d}")
+            print(
+                f"{'  from scratch':<32} {sigma:6.1f} {'-':>8} {result.scratch.imbalance:10.3f} {result.scratch_moves:7d}"
+            )
+            print(
+                f"{'  migration-aware':<32} {sigma:6.1f} {replan_ms:8.1f} {result.plan.imbalance:10.3f} {result.moves:7d}"
+            )
 
 
 if __name__ == "__main__":

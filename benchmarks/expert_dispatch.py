@@ -1,19 +1,27 @@
-"""Remote experts over loopback gRPC: per-step latency and tokens/s of the engine with its routed
-experts in-process vs on 1, 2 and 4 expert worker processes, and the bytes moved per token.
+"""Remote experts over loopback: per-MoE-layer dispatch overhead, per-step latency and tokens/s of
+the engine with its routed experts in-process vs on 1, 2 and 4 expert worker processes, for each
+expert transport, and the bytes moved per token.
 
-    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--requests 8] [--new-tokens 32]
+    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--transports grpc grpc-stream] [--requests 32]
 
-Builds a random Qwen3-MoE checkpoint with transformers (hidden 512, 32 experts of 256, top-4,
-4 MoE layers: small enough for a CPU), then runs the same greedy batch through the offline
-engine with `LocalExpertExecutor` and with `RemoteExpertExecutor` against expert workers started
-as `moemesh serve --role expert` (Redis + an even placement, as `moemesh up --experts N` does).
-Columns: "step" = median engine step while every request decodes; "MoE" = the part of a step
-spent in the expert executor (all MoE layers); "RPC floor" = median round trip of an empty
+Builds a random Qwen3-MoE checkpoint with transformers (default hidden 1024, 64 experts of 256,
+top-8, 2 MoE layers; a decode batch of 32 tokens), then runs the same greedy batch through the
+offline engine with `LocalExpertExecutor` and with `RemoteExpertExecutor` over each transport
+against expert workers started as `moemesh serve --role expert` (Redis + an even placement, as
+`moemesh up --experts N` does). Columns: "step" = median engine step while every request
+decodes; "MoE" = the part of a step spent in the expert executor (all MoE layers);
+"overhead ms/layer" = (remote MoE - the slowest worker's expert compute of each layer, as the
+workers report it in `compute_s`) / MoE layers: what dispatch costs per layer beyond computing the
+experts (grouping, serialization, transport, the worker's gRPC/asyncio path, combine); "vs local"
+= (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative); "RPC floor" = median round trip of an empty unary
 RunExperts call (the fixed cost each layer pays per worker, in parallel across workers);
 "waiting" = the part of MoE spent blocked on replies (expert compute + transport + the worker's
 gRPC/asyncio overhead), "dispatcher CPU" = the rest (grouping, serialization, combine);
 bytes/token = request + reply tensor payload per token over all MoE layers. Outputs are checked
-to be identical to the local run.
+to be identical to the local run (greedy tokens).
+
+Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
+to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.
 """
 
 from __future__ import annotations
@@ -25,17 +33,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import print_table  # noqa: E402
-
 import grpc  # noqa: E402
 import torch  # noqa: E402
+from common import print_table  # noqa: E402
 
 from moemesh import LLM, SamplingParams  # noqa: E402
-from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
 from moemesh.common.placement import PlacementStore  # noqa: E402
 from moemesh.common.redis_client import connect  # noqa: E402
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
-from moemesh.expert.transport import GrpcExpertTransport  # noqa: E402
+from moemesh.expert.transport import TRANSPORTS, make_transport  # noqa: E402
+from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
 
 
@@ -91,17 +98,22 @@ class Timed:
         return out
 
 
-def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | None = None):
-    """(outputs, median decode-step s, MoE s per decode step, waiting s per decode step, tokens per step)."""
+EXTRA_COLUMNS: dict = {}  # column name -> fn(llm, remote executor, run result tuple) -> str
+
+
+def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | None = None, remote=None):
+    """(outputs, median decode-step s, MoE s per decode step, waiting s per decode step, tokens per step,
+    MoE s per decode step not spent in the slowest worker's expert compute)."""
     engine = llm.engine
     timed = engine.model.moe_runtime.executor
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     outputs: dict[str, list[int]] = {}
-    steps, moe, wait = [], [], []
+    steps, moe, wait, overhead = [], [], [], []
     while engine.has_unfinished_requests():
         running = len(engine.scheduler.running)
         moe_before, wait_before, start = timed.seconds, waits.seconds if waits else 0.0, time.perf_counter()
+        compute_before = remote.compute_s if remote else 0.0
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
@@ -109,9 +121,10 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | 
             steps.append(time.perf_counter() - start)
             moe.append(timed.seconds - moe_before)
             wait.append((waits.seconds if waits else 0.0) - wait_before)
-    steps, moe, wait = sorted(steps[2:-2]), sorted(moe[2:-2]), sorted(wait[2:-2])  # drop fill and drain
+            overhead.append(moe[-1] - ((remote.compute_s if remote else 0.0) - compute_before))
+    steps, moe, wait, overhead = (sorted(v[2:-2]) for v in (steps, moe, wait, overhead))  # drop fill and drain
     mid = len(steps) // 2
-    return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts)
+    return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts), overhead[mid]
 
 
 def rpc_floor(endpoint: str, version: int, repeats: int = 200) -> float:
@@ -133,14 +146,15 @@ def rpc_floor(endpoint: str, version: int, repeats: int = 200) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    p.add_argument("--requests", type=int, default=32, help="the decode batch (tokens per step)")
+    p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of each expert worker")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -150,14 +164,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "moe")
         build_checkpoint(path, args)
-        llm = LLM(path, num_blocks=512, max_model_len=512, show_progress=False)
+        llm = LLM(path, num_blocks=1024, max_model_len=512, max_num_seqs=max(64, args.requests), show_progress=False)
         model = llm.engine.model
         local = model.moe_runtime.executor
         model.set_expert_executor(Timed(local))
-        expected, step, moe, _, tokens = run(llm, prompts, args.new_tokens)
+        expected, step, local_moe, _, tokens, _ = run(llm, prompts, args.new_tokens)
         num_moe_layers = len(model.moe_layer_ids)
-        rows.append(["local", f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{moe * 1e3:.1f}", "-", "-", "-", "0",
-                     "yes"])  # fmt: skip
+        rows.append(["local", "-", f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{local_moe * 1e3:.2f}", "-", "-", "-",
+                     "-", "-", "0", "yes", *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
         for num_workers in args.workers:
             spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
                                num_threads=args.threads, log_dir=tmp)  # fmt: skip
@@ -172,28 +186,34 @@ def main() -> None:
                 placement = PlacementStore(client, spec.mesh).current()
                 client.close()
                 endpoints = {s.name: s.grpc_endpoint for s in cluster.services.values()}
-                waits = WaitTimed(GrpcExpertTransport(endpoints))
-                remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
-                model.set_expert_executor(Timed(remote))
-                outputs, step, moe, wait, tokens = run(llm, prompts, args.new_tokens, waits)
                 floor = rpc_floor(next(iter(endpoints.values())), placement.version)
-                moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(llm, prompts, args))
-                rows.append([f"remote x{num_workers}", f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
-                             f"{moe * 1e3:.1f}", f"{wait * 1e3:.1f}", f"{(moe - wait) * 1e3:.1f}",
-                             f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
-                             "yes" if outputs == expected else "NO"])  # fmt: skip
-                remote.close()
+                for kind in args.transports:
+                    waits = WaitTimed(make_transport(kind, endpoints))
+                    remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
+                    model.set_expert_executor(Timed(remote))
+                    result = run(llm, prompts, args.new_tokens, waits, remote)
+                    outputs, step, moe, wait, tokens = result[:5]
+                    moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(prompts, args))
+                    overhead = result[5] / num_moe_layers
+                    versus_local = (moe - local_moe) / num_moe_layers
+                    rows.append([f"remote x{num_workers}", kind, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
+                                 f"{moe * 1e3:.2f}", f"{overhead * 1e3:.2f}", f"{versus_local * 1e3:+.2f}", f"{wait * 1e3:.2f}",
+                                 f"{(moe - wait) * 1e3:.2f}", f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
+                                 "yes" if outputs == expected else "NO",
+                                 *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()]])  # fmt: skip
+                    remote.close()
             finally:
                 cluster.stop()
         model.set_expert_executor(local)
     print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
-          f"{num_moe_layers} MoE layers, float32; {args.requests} requests x {args.new_tokens} new tokens; "
-          f"{args.threads} torch thread(s) per process, CPU, loopback gRPC")  # fmt: skip
-    print_table(["experts", "step ms", "tokens/s", "MoE ms/step", "waiting", "dispatcher CPU", "RPC floor ms",
-                 "bytes/token", "same output"], rows)  # fmt: skip
+          f"{num_moe_layers} MoE layers, float32; decode batch {args.requests} x {args.new_tokens} new tokens; "
+          f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
+    print_table(["experts", "transport", "step ms", "tokens/s", "MoE ms/step", "overhead ms/layer", "vs local",
+                 "waiting",
+                 "dispatcher CPU", "RPC floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
 
 
-def remote_tokens(llm: LLM, prompts, args) -> int:
+def remote_tokens(prompts, args) -> int:
     """Tokens that went through the model in one run: prompts plus all but the last new token."""
     return sum(len(p) + args.new_tokens - 1 for p in prompts)
 

@@ -1,7 +1,7 @@
 """Remote experts on a prefill/decode worker: plug a RemoteExpertExecutor into the engine's
 model and keep its placement and endpoints current.
 
-Callers: the worker (`services/decode/worker.py`) calls `install(engine, stop)` once the engine
+Callers: the worker (`services/worker/main.py`) calls `install(engine, stop)` once the engine
 is loaded (it waits for an active placement: none means the expert workers are not ready yet),
 runs `watch()` as a task, and `close()`s at shutdown. `NoRemoteExperts` is the do-nothing
 version for workers that run their experts locally.
@@ -21,11 +21,11 @@ import redis
 
 from moemesh.common import registry
 from moemesh.common.placement import PlacementStore
-from moemesh.worker.settings import ExpertSettings
 from moemesh.engine.async_engine import AsyncEngine
 from moemesh.engine.errors import ModelLoadError
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
-from moemesh.expert.transport import GrpcExpertTransport
+from moemesh.expert.transport import make_transport
+from moemesh.worker.settings import ExpertSettings
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ class RemoteExperts:
             raise ModelLoadError(f"the active placement {placement.version} covers {remote.num_layers} MoE layers x "
                                  f"{remote.num_experts} experts; this model has {num_layers} x {num_experts}")  # fmt: skip
         self._endpoints = await asyncio.to_thread(self._read_endpoints)
-        executor = RemoteExpertExecutor(GrpcExpertTransport(self._endpoints), remote, self.settings.call_timeout_s,
-                                        self.settings.retry_down_s, on_error="record")  # fmt: skip
+        transport = make_transport(self.settings.transport, self._endpoints)
+        executor = RemoteExpertExecutor(transport, remote, self.settings.call_timeout_s, self.settings.retry_down_s,
+                                        on_error="record")  # fmt: skip
         await engine.call(lambda e: e.model.set_expert_executor(executor))
         self.executor, self._engine = executor, engine
         logger.info("remote experts: placement %d over %d expert workers", placement.version, len(remote.worker_ids))

@@ -4,10 +4,9 @@ An *entry* is one (token, top-k slot) pair of the layer: num_tokens * top_k of t
 token-major. Gating gives each entry a logical expert, the placement a replica (slot). The plan
 sorts the entries by replica (stable, so tokens stay ascending within a replica: the order the
 local grouped GEMM uses) and splits them by the replica's owning worker. Each worker receives
-the hidden states of the tokens it needs once, the entries as row indices grouped by replica, and
-returns one unweighted expert output per entry. `combine` scatters every output back in the
-global sorted order and adds w * E(x) into a float32 accumulator, as `kernels.fused_moe_ref`
-does, so a remote layer adds the same terms in the same order as a local one.
+the hidden states of the tokens it needs once, the entries as row indices grouped by replica with
+their gate weights, and returns its weighted partial sum per token (the combine runs on the expert
+side; the remote executor adds the partials).
 
 `reroute` moves entries off workers that are down onto other replicas of the same expert.
 Pure numpy/torch on the CPU; no I/O.
@@ -103,17 +102,3 @@ def reroute(
 
 def gather_rows(hidden_states: torch.Tensor, token_ids: np.ndarray) -> torch.Tensor:  # [num_tokens_w, hidden]
     return hidden_states.index_select(0, torch.from_numpy(token_ids))
-
-
-def combine(
-    outputs: torch.Tensor,  # [num_entries, hidden] unweighted expert outputs in sorted entry order
-    entries: SortedEntries,
-    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
-    num_tokens: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [num_tokens, hidden]
-    """y[t] = sum_j w[t, j] * E(x[t]) accumulated in float32, entries in sorted order."""
-    weights = topk_weights.reshape(-1).float()[torch.from_numpy(entries.order)]  # [num_entries]
-    out = torch.zeros(num_tokens, outputs.shape[1], dtype=torch.float32)
-    out.index_add_(0, torch.from_numpy(entries.tokens), outputs.float() * weights[:, None])
-    return out.to(dtype)

@@ -2,9 +2,14 @@
 expert workers that hold their replicas.
 
 Per layer: logical ids -> replicas by the placement's round-robin rule
-(`ExpertPlacement.replica_ids`), entries grouped by owning worker (`dispatch_plan`), one
-RunExperts call per worker, all in flight at once, then the outputs combined with the gate
-weights in float32. A worker that fails (unreachable, timed out, or without the placement loaded)
+(`ExpertPlacement.replica_ids`), entries grouped by owning worker (`dispatch_plan`), one request
+per worker through the ExpertTransport, all in flight at once. Each token's hidden state goes
+once to each worker it needs, with its (replica, gate weight) entries there; the worker combines
+its own experts and returns one float32 partial [num_tokens_w, hidden]; the partials are added
+here in worker order and cast once. Versus the local kernel (one float32 sum over all of a
+token's entries in replica order) only the association of the float32 sum changes: fp32 outputs
+differ by a few ulps (|rel| ~ 1e-7), bf16 outputs round the same float32 sum once (rarely 1 ulp).
+A worker that fails (unreachable, timed out, or without the placement loaded)
 is marked down for `retry_s`: its entries are re-dispatched to other replicas of the same experts
 at once, and later layers route around it until it is retried. When some needed expert has no
 replica on a live worker the layer fails with `ExpertUnavailableError` naming the worker and the
@@ -16,6 +21,11 @@ the worker then fails the step's requests with the error and drops its outputs.
 Placement switch: `set_placement` (the worker, between steps) only stores the next placement;
 the forward adopts it at MoE layer 0, so all layers of one forward use one placement even when
 the model runs on another thread than the one that switches (execution overlap).
+
+Ping-pong micro-batches: `submit` sends a layer's per-worker requests and returns; `wait`
+gathers the replies (re-dispatching after a failure, synchronously) and combines them. A layer-0
+`submit` starts a new forward only when nothing is in flight (the second micro-batch's layer 0
+follows the first's submit without a wait), so both micro-batches see one placement.
 """
 
 from __future__ import annotations
@@ -28,8 +38,8 @@ import torch
 
 from moemesh.common.placement import Placement
 from moemesh.engine.errors import ExpertUnavailableError
-from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertPlacement
-from moemesh.expert.dispatch_plan import WorkerBatch, combine, gather_rows, group_by_worker, reroute, sort_entries
+from moemesh.engine.layers.expert_executor import CompletedExperts, ExpertExecutor, ExpertHandle, ExpertPlacement
+from moemesh.expert.dispatch_plan import WorkerBatch, gather_rows, group_by_worker, reroute, sort_entries
 from moemesh.expert.transport import ExpertCallError, ExpertTransport
 from moemesh.expert.wire import WireError, tensor_from_proto, tensor_to_proto
 from moemesh.proto.v1 import expert_pb2
@@ -47,7 +57,19 @@ class RemotePlacement(ExpertPlacement):
         self.replica_counts_np = np.array(placement.replica_counts)  # [num_layers, num_experts]
 
 
+class _RemoteHandle(ExpertHandle):
+    """One layer's calls in flight: what `wait` needs to gather, re-dispatch and combine."""
+
+    def __init__(self, layer, placement, entries, replicas, x, weights, batches, calls, out, like):
+        self.layer, self.placement, self.entries, self.replicas = layer, placement, entries, replicas
+        self.x, self.weights, self.batches, self.calls = x, weights, batches, calls
+        self.out = out  # [num_tokens, hidden] float32, the sum of the partials
+        self.like = like  # the layer input: output device and dtype
+
+
 class RemoteExpertExecutor(ExpertExecutor):
+    overlaps_submit = True
+
     def __init__(
         self,
         transport: ExpertTransport,
@@ -70,6 +92,8 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.num_rerouted_entries = 0  # entries moved off a failed worker (tests, metrics)
         self.num_bytes_sent = 0
         self.num_bytes_received = 0
+        self.compute_s = 0.0  # per layer the slowest worker's compute, summed (the rest is dispatch overhead)
+        self._num_in_flight = 0  # submitted, not yet waited handles
 
     # -- the worker, between steps ---------------------------------------------------------
     def set_placement(self, placement: ExpertPlacement) -> None:
@@ -97,25 +121,38 @@ class RemoteExpertExecutor(ExpertExecutor):
         return error
 
     def forward(self, layer, hidden_states, topk_ids, topk_weights):
-        if layer == 0:
+        return self.wait(self.submit(layer, hidden_states, topk_ids, topk_weights))
+
+    def submit(self, layer, hidden_states, topk_ids, topk_weights) -> ExpertHandle:
+        if layer == 0 and self._num_in_flight == 0:  # a new forward
             self._failed_forward = False
             if self._next is not None:
                 self.placement, self._next = self._next, None
-        if self._failed_forward:
-            return torch.zeros_like(hidden_states)
+        if self._failed_forward or hidden_states.shape[0] == 0:
+            return CompletedExperts(torch.zeros_like(hidden_states))
+        handle = self._submit(layer, hidden_states, topk_ids, topk_weights)
+        self._num_in_flight += 1
+        return handle
+
+    def wait(self, handle: ExpertHandle) -> torch.Tensor:
+        if isinstance(handle, CompletedExperts):
+            return handle.output
+        assert isinstance(handle, _RemoteHandle), "a handle of another executor"
+        self._num_in_flight -= 1
+        if self._failed_forward:  # an earlier layer (or the other micro-batch) failed: skip
+            return torch.zeros_like(handle.like)
         try:
-            return self._forward(layer, hidden_states, topk_ids, topk_weights)
+            return self._wait(handle)
         except ExpertUnavailableError as e:
             if self.on_error == "raise":
+                self._num_in_flight = 0  # the forward ends here; the other micro-batch's calls are dropped
                 raise
             self._error, self._failed_forward = e, True
-            return torch.zeros_like(hidden_states)
+            return torch.zeros_like(handle.like)
 
-    def _forward(self, layer, hidden_states, topk_ids, topk_weights):
+    def _submit(self, layer, hidden_states, topk_ids, topk_weights) -> _RemoteHandle:
         placement = self.placement
         num_tokens = hidden_states.shape[0]
-        if num_tokens == 0:
-            return torch.zeros_like(hidden_states)
         replica_ids = placement.replica_ids(layer, topk_ids).cpu().numpy()  # [num_tokens, top_k]
         entries = sort_entries(replica_ids, topk_ids.cpu().numpy())
         replicas = entries.replicas
@@ -124,20 +161,26 @@ class RemoteExpertExecutor(ExpertExecutor):
             replicas, _ = reroute(replicas, entries.experts, slot_down, placement.log2phy_np[layer],
                                   placement.replica_counts_np[layer])  # fmt: skip
         x = hidden_states.detach().cpu()  # [num_tokens, hidden]
-        outputs = torch.empty(replicas.size, x.shape[1], dtype=x.dtype)  # [num_entries, hidden], sorted order
+        weights = topk_weights.detach().cpu().float().reshape(-1)[torch.from_numpy(entries.order)]  # [num_entries]
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32)  # [num_tokens, hidden]: sum of the partials
         positions = np.arange(replicas.size)
         batches = group_by_worker(replicas, entries.experts, entries.tokens, positions, placement.slot_owner)
-        for _ in range(len(placement.worker_ids)):  # each round marks at least one more worker down
-            failed = self._run(layer, placement, x, batches, outputs)
+        calls = self._send(layer, placement, x, weights, batches)
+        return _RemoteHandle(layer, placement, entries, replicas, x, weights, batches, calls, out, hidden_states)
+
+    def _wait(self, h: _RemoteHandle) -> torch.Tensor:
+        calls = h.calls
+        for _ in range(len(h.placement.worker_ids)):  # each round marks at least one more worker down
+            failed = self._gather(h.placement, h.x, calls, h.out)
             if not failed:
                 break
-            batches = self._redispatch(layer, placement, entries, replicas, failed)
+            batches = self._redispatch(h.layer, h.placement, h.entries, h.replicas, failed)
+            calls = self._send(h.layer, h.placement, h.x, h.weights, batches)
         else:
-            raise ExpertUnavailableError(f"MoE layer {layer}: no expert worker answered after re-dispatching")
-        out = combine(outputs, entries, topk_weights.cpu(), num_tokens, hidden_states.dtype)
-        return out.to(hidden_states.device)
+            raise ExpertUnavailableError(f"MoE layer {h.layer}: no expert worker answered after re-dispatching")
+        return h.out.to(device=h.like.device, dtype=h.like.dtype)
 
-    def _run(self, layer, placement: RemotePlacement, x, batches: list[WorkerBatch], outputs) -> list:
+    def _send(self, layer, placement: RemotePlacement, x, weights, batches: list[WorkerBatch]) -> list:
         calls = []
         for batch in batches:
             request = expert_pb2.RunExpertsRequest(
@@ -146,24 +189,31 @@ class RemoteExpertExecutor(ExpertExecutor):
                 groups=[expert_pb2.ReplicaGroup(slot=int(s), expert=int(e), num_rows=int(n))
                         for s, e, n in zip(batch.slots, batch.experts, batch.group_sizes)],
                 row_ids=batch.row_ids.tolist(),
+                entry_weights=tensor_to_proto(weights[torch.from_numpy(batch.positions)]),
             )  # fmt: skip
-            self.num_bytes_sent += len(request.hidden_states.data)
+            self.num_bytes_sent += len(request.hidden_states.data) + len(request.entry_weights.data)
             calls.append((batch, self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)))
-        failed = []
+        return calls
+
+    def _gather(self, placement: RemotePlacement, x, calls: list, out) -> list:
+        failed, slowest = [], 0.0
         for batch, call in calls:
             worker_id = placement.worker_ids[batch.worker]
             try:
                 reply = call.result()
                 y = tensor_from_proto(reply.outputs, "outputs", ndim=2)
-                if tuple(y.shape) != (batch.num_entries, x.shape[1]):
-                    raise WireError(f"outputs have shape {list(y.shape)}, expected {[batch.num_entries, x.shape[1]]}")
+                expected = (batch.token_ids.size, x.shape[1])
+                if tuple(y.shape) != expected or y.dtype != torch.float32:
+                    raise WireError(f"outputs are {y.dtype} {list(y.shape)}, expected float32 {list(expected)}")
             except (ExpertCallError, WireError) as e:
                 failed.append((batch, e))
                 self._down_until[worker_id] = self.clock() + self.retry_s
                 continue
             self.num_bytes_received += len(reply.outputs.data)
+            slowest = max(slowest, reply.compute_s)
             self._down_until.pop(worker_id, None)
-            outputs[torch.from_numpy(batch.positions)] = y.to(x.dtype)
+            out.index_add_(0, torch.from_numpy(batch.token_ids), y)  # this worker's partial of each of its tokens
+        self.compute_s += slowest
         return failed
 
     def _redispatch(self, layer, placement: RemotePlacement, entries, replicas, failed) -> list[WorkerBatch]:

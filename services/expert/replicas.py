@@ -15,31 +15,49 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from moemesh import kernels
 from moemesh.common.placement import Placement, PlacementError
+from moemesh.engine.layers.expert_executor import run_experts
 from moemesh.expert.weights import ExpertTensors, LayerExpert, MoEShape
 
 
 class HostedVersion:
-    def __init__(self, placement: Placement, worker_id: str, weights: dict[LayerExpert, ExpertTensors]):
+    def __init__(
+        self,
+        placement: Placement,
+        worker_id: str,
+        weights: dict[LayerExpert, ExpertTensors],
+        fp8_block: tuple[int, int] | None = None,  # (block_n, block_k) when the tensors are block-FP8
+    ):
         self.placement = placement
         self.version = placement.version
         owned = worker_id in placement.worker_ids
         self.slots = placement.slots_of(worker_id) if owned else np.zeros(0, dtype=np.int64)  # [num_local]
         self.local_index = np.full(placement.num_slots, -1, dtype=np.int64)  # [num_slots] -> row of the stacks
         self.local_index[self.slots] = np.arange(self.slots.size)
+        # per layer, the kernel's weight arguments (layers/expert_executor.expert_tensors), stacked per
+        # local replica: (w13, w2), or block-FP8 (w13, w13_scale_inv, w2, w2_scale_inv)
+        self.stacks: list[tuple[torch.Tensor, ...]] = []
         self.w13: list[torch.Tensor] = []  # per layer [num_local, 2 * intermediate, hidden]
         self.w2: list[torch.Tensor] = []  # per layer [num_local, hidden, intermediate]
         self.weights: dict[LayerExpert, ExpertTensors] = {}  # views into the stacks
         for layer in range(placement.num_layers if self.slots.size else 0):
             experts = placement.phy2log[layer, self.slots]
-            self.w13.append(torch.stack([weights[(layer, int(e))][0] for e in experts]))
-            self.w2.append(torch.stack([weights[(layer, int(e))][1] for e in experts]))
+            per_replica = [weights[(layer, int(e))] for e in experts]
+            stacks = tuple(torch.stack(parts) for parts in zip(*per_replica))
+            self.stacks.append(stacks)
+            self.w13.append(stacks[0])
+            self.w2.append(stacks[-2] if len(stacks) == 4 else stacks[1])
             for i, e in enumerate(experts):
-                self.weights[(layer, int(e))] = (self.w13[layer][i], self.w2[layer][i])
+                self.weights[(layer, int(e))] = tuple(t[i] for t in stacks)
+        self.fp8_block = fp8_block if any(len(t) == 4 for t in self.stacks) else None
         self.token_counts = np.zeros((placement.num_layers, self.slots.size), dtype=np.int64)  # per local replica
         self.num_in_flight = 0  # calls being computed (the servicer counts, in the event loop)
         self.last_call_at = 0.0
+
+    def activation_dtype(self, layer: int, wire_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a call's activations are computed in: the weights' dtype, or for block-FP8
+        weights the activations' own (W8A16 / W8A8 kernels take bf16 / fp32 inputs)."""
+        return wire_dtype if self.fp8_block is not None else self.w13[layer].dtype
 
     def experts(self) -> set[LayerExpert]:
         return set(self.weights)
@@ -53,7 +71,25 @@ class HostedVersion:
     ) -> torch.Tensor:  # [num_entries, hidden] unweighted expert outputs
         rows = x.index_select(0, row_ids)  # [num_entries, hidden]
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        return kernels.fused_moe(rows, self.w13[layer], self.w2[layer], ones, local[:, None])
+        return run_experts(rows, self.stacks[layer], self.fp8_block, ones, local[:, None])
+
+    def run_combined(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        row_ids: torch.Tensor,  # [num_entries] int64 rows of x, grouped by replica
+        local: torch.Tensor,  # [num_entries] int64 local replica of each entry
+        weights: torch.Tensor,  # [num_entries] float32 gate weights
+    ) -> torch.Tensor:  # [num_tokens, hidden] float32: per token, sum of w * E(x) over its entries here
+        """The worker-side combine: the weighted outputs are added per token in float32, entries in
+        request order (grouped by replica, tokens ascending within a replica: the local kernel's
+        order restricted to this worker's experts)."""
+        rows = x.index_select(0, row_ids)  # [num_entries, hidden]
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        y = run_experts(rows, self.stacks[layer], self.fp8_block, ones, local[:, None])  # [num_entries, hidden]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, row_ids, y.float() * weights[:, None])
+        return out
 
 
 class ReplicaStore:
@@ -88,7 +124,7 @@ class ReplicaStore:
         missing = needed - set(weights)
         if missing:
             weights.update(self._read_weights(missing))
-        hosted = HostedVersion(placement, self.worker_id, weights)
+        hosted = HostedVersion(placement, self.worker_id, weights, self.shape.fp8_block)
         self._versions = {**self._versions, placement.version: hosted}
         return hosted
 

@@ -1,8 +1,11 @@
 """ExpertWorker gRPC servicer: proto <-> replica compute.
 
 `parse_call` checks a RunExpertsRequest against a loaded version (layer range, tensor shape,
-groups of slots this worker owns holding the named experts, row ids in range) and returns the
-compute inputs; `run_call` computes them. The servicer runs the compute on one dedicated thread
+groups of slots this worker owns holding the named experts, row ids in range, entry weights) and
+returns the compute inputs; `run_call` computes them: with entry weights the worker combines its
+own experts (one float32 partial [num_tokens, hidden] back instead of one row per entry).
+`RunExperts` (unary) and `RunExpertsStream` (one long-lived bidirectional call per attention
+worker, requests matched to responses by sequence id) share that path. The servicer runs the compute on one dedicated thread
 (torch uses its intra-op threads inside it), so health checks and status calls stay responsive,
 and counts each call in flight per version (a version is released only when none is).
 """
@@ -41,6 +44,7 @@ class ParsedCall:
     row_ids: torch.Tensor  # [num_entries] int64
     local: torch.Tensor  # [num_entries] int64 local replica per entry
     local_counts: np.ndarray  # [num_local] entries per local replica
+    weights: torch.Tensor | None  # [num_entries] float32 gate weights: combine here; None: one row per entry
 
 
 def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> ParsedCall:
@@ -83,21 +87,37 @@ def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> Pa
                         f"{row_ids.size} row ids for groups of {int(sizes.sum())} rows")  # fmt: skip
     if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= x.shape[0]):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must be in [0, {x.shape[0]})")
+    weights = None
+    if request.HasField("entry_weights"):
+        try:
+            weights = tensor_from_proto(request.entry_weights, "entry_weights", ndim=1)
+        except WireError as e:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if weights.dtype != torch.float32 or weights.shape[0] != row_ids.size:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
+                            f"{list(weights.shape)}")  # fmt: skip
     local_counts = np.bincount(local, weights=sizes, minlength=hosted.slots.size).astype(np.int64)
     return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), torch.from_numpy(np.repeat(local, sizes)),
-                      local_counts)  # fmt: skip
+                      local_counts, weights)  # fmt: skip
 
 
 def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
+    started = time.perf_counter()
     hosted = call.hosted
+    combined = call.weights is not None
     if call.row_ids.numel() == 0:
-        y = torch.zeros(0, call.x.shape[1], dtype=call.x.dtype)
+        rows = call.x.shape[0] if combined else 0
+        y = torch.zeros(rows, call.x.shape[1], dtype=torch.float32 if combined else call.x.dtype)
     else:
-        weights = hosted.w13[call.layer]  # computed in the weights' dtype, on their device
-        x = call.x.to(device=weights.device, dtype=weights.dtype)
-        local = call.local.to(weights.device)
-        y = hosted.run(call.layer, x, call.row_ids.to(weights.device), local).to(device="cpu", dtype=call.x.dtype)
-    return expert_pb2.RunExpertsResponse(outputs=tensor_to_proto(y))
+        w13 = hosted.w13[call.layer]  # computed in the weights' dtype, on their device
+        x = call.x.to(device=w13.device, dtype=hosted.activation_dtype(call.layer, call.x.dtype))
+        local, row_ids = call.local.to(w13.device), call.row_ids.to(w13.device)
+        if combined:  # [num_tokens, hidden] float32
+            y = hosted.run_combined(call.layer, x, row_ids, local, call.weights.to(w13.device)).cpu()
+        else:  # [num_entries, hidden]
+            y = hosted.run(call.layer, x, row_ids, local).to(device="cpu", dtype=call.x.dtype)
+    return expert_pb2.RunExpertsResponse(outputs=tensor_to_proto(y), compute_s=time.perf_counter() - started)
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
@@ -113,15 +133,53 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.window_counts = np.zeros((store.shape.num_layers, store.shape.num_experts), dtype=np.int64)
         self.total_counts = np.zeros_like(self.window_counts)  # since start
         self.num_in_flight = 0
+        self._closing = asyncio.Event()
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self._serve(request)
+        except CallError as e:
+            await context.abort(e.code, str(e))
+
+    async def RunExpertsStream(self, requests, context: grpc.aio.ServicerContext):
+        """One response per request, in order, with its sequence id; a refused request is answered
+        with its error (the stream stays open for the next layer)."""
+        if self._closing.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"expert worker {self.store.worker_id} is stopping")
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():  # stopping: end the stream between requests (the client reopens elsewhere)
+                    read.cancel()
+                    return
+                request = read.result()
+                if request is grpc.aio.EOF:
+                    return
+                try:
+                    reply = await self._serve(request)
+                except CallError as e:
+                    reply = expert_pb2.RunExpertsResponse(error_code=e.code.name, error=str(e))
+                reply.sequence_id = request.sequence_id
+                await context.write(reply)
+        finally:
+            closing.cancel()
+
+    def stop_streams(self) -> None:
+        """Caller: the worker at shutdown, before `server.stop(grace)`: open streams end after their
+        current request, so the grace period is not spent waiting on idle long-lived calls."""
+        self._closing.set()
+
+    async def _serve(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+        """Raises CallError for a request this worker refuses."""
         started = time.perf_counter()
         try:
             call = parse_call(self.store, request)
         except CallError as e:
             if self.metrics is not None:
                 self.metrics.call(e.code.name)
-            await context.abort(e.code, str(e))
+            raise
         hosted = call.hosted
         hosted.num_in_flight += 1
         self.num_in_flight += 1

@@ -1,16 +1,22 @@
-"""The expert transport: how a remote ExpertExecutor reaches expert workers.
+"""The expert transport: how a remote ExpertExecutor reaches expert workers (the data plane).
+gRPC unary calls stay the control plane (GetStatus, health); placement and membership come from
+Redis through `attach.RemoteExperts`.
 
-Callers:
+Callers of `ExpertTransport`:
 - `submit`: RemoteExpertExecutor.forward (on whichever thread runs the model), once per expert
   worker per MoE layer per step; all of a layer's calls are submitted before any is awaited, so
-  they run concurrently;
-- `set_endpoints`: the worker's placement watcher (through the engine thread) when the registry
-  shows a worker at a new address;
-- `close`: the worker at shutdown.
+  they run concurrently; `PendingCall.result()` is then called once per call, on that thread;
+- `set_endpoints`: the worker's placement watcher (through the engine thread, between steps)
+  when the registry shows a worker joining, at a new address, or leaving;
+- `close`: the worker at shutdown (RemoteExpertExecutor.close).
 
-`GrpcExpertTransport` is the gRPC implementation (sync channels, one per endpoint, calls as
-futures: no event loop needed on the model's thread). Calls fail fast on a dead peer (no
-wait-for-ready) and after `timeout_s` on a hung one.
+Implementations (`make_transport`, selected by `--expert-transport`):
+- `grpc`: `GrpcExpertTransport` here, one unary RunExperts call per request (sync channels, calls
+  as futures: no event loop on the model's thread);
+- `grpc-stream` (default): `transport_grpc_stream.GrpcStreamExpertTransport`, one long-lived
+  bidirectional RunExpertsStream call per expert worker, requests matched to replies by sequence id.
+Every implementation fails fast on a dead peer (no wait-for-ready) and after `timeout_s` on a
+hung one, raising `ExpertCallError` from `result()`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import grpc
 
 from moemesh.common.grpc_util import CHANNEL_OPTIONS
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+
+TRANSPORTS = ("grpc", "grpc-stream")
 
 
 class ExpertCallError(Exception):
@@ -40,16 +48,19 @@ class PendingCall(Protocol):
 
 class ExpertTransport(ABC):
     @abstractmethod
-    def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall: ...
+    def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
+        """Start one call; never blocks on the peer and never raises (errors come from result())."""
 
     @abstractmethod
-    def set_endpoints(self, endpoints: Mapping[str, str]) -> None: ...
+    def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
+        """worker id -> 'host:port' of the workers the registry lists now (a missing one keeps its
+        last address: it may come back)."""
 
     def close(self) -> None:
         return None
 
 
-class _FailedCall:
+class FailedCall:
     def __init__(self, error: ExpertCallError):
         self._error = error
 
@@ -80,7 +91,7 @@ class GrpcExpertTransport(ExpertTransport):
     def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
         endpoint = self._endpoints.get(worker_id, "")
         if not endpoint:
-            return _FailedCall(ExpertCallError(worker_id, "", "UNAVAILABLE", "not in the registry"))
+            return FailedCall(ExpertCallError(worker_id, "", "UNAVAILABLE", "not in the registry"))
         stub = self._stubs.get(endpoint)
         if stub is None:
             channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
@@ -92,3 +103,14 @@ class GrpcExpertTransport(ExpertTransport):
         channels, self._channels, self._stubs = self._channels, [], {}
         for channel in channels:
             channel.close()
+
+
+def make_transport(kind: str, endpoints: Mapping[str, str]) -> ExpertTransport:
+    """The transport `--expert-transport` names."""
+    if kind == "grpc":
+        return GrpcExpertTransport(endpoints)
+    if kind == "grpc-stream":
+        from moemesh.expert.transport_grpc_stream import GrpcStreamExpertTransport
+
+        return GrpcStreamExpertTransport(endpoints)
+    raise ValueError(f"expert transport must be one of {TRANSPORTS}, got {kind!r}")

@@ -29,10 +29,9 @@ from prometheus_client import start_http_server
 from moemesh.common import redis_client, redis_keys, registry, telemetry
 from moemesh.common.expert_load import DEFAULT_TTL_S, publish_expert_load
 from moemesh.common.grpc_util import HealthReporter, create_server
-from moemesh.common.metrics import ExpertMetrics
 from moemesh.common.lifecycle import serve_until_signalled
+from moemesh.common.metrics import ExpertMetrics
 from moemesh.common.placement import PlacementError, PlacementStore
-from moemesh.worker.settings import WorkerSettings
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader import default_model_path, open_checkpoint
 from moemesh.engine.loader.build import DTYPES
@@ -40,6 +39,7 @@ from moemesh.expert.replicas import ReplicaStore
 from moemesh.expert.servicer import ExpertServicer
 from moemesh.expert.weights import MoEShape, read_expert_weights, read_moe_shape
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+from moemesh.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ExpertWorker:
 
         def read(wanted):
             weights = read_expert_weights(checkpoint, shape, wanted, dtype)
-            return {key: (w13.to(device), w2.to(device)) for key, (w13, w2) in weights.items()}
+            return {key: tuple(t.to(device) for t in tensors) for key, tensors in weights.items()}
 
         self.replicas = ReplicaStore(settings.worker_id, shape, read)
         self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
@@ -195,6 +195,7 @@ class ExpertWorker:
                                     s.worker_id, redis_keys.expert_load_key(mesh, s.worker_id))  # fmt: skip
         except redis.RedisError:
             pass
+        self.servicer.stop_streams()
         await server.stop(s.shutdown_grace_s)
         await self.health.shutdown()
         self.servicer.close()

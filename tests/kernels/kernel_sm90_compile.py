@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -20,7 +19,13 @@ from triton.runtime.jit import JITFunction
 SM90 = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 232448  # 227 KiB opt-in shared memory per block on sm_90
 
-_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32", torch.int64: "*i64"}
+_PTR = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -42,7 +47,9 @@ def compile_launch(kernel, grid, *args, **kwargs) -> dict:
             signature[p.name] = "fp32"
         else:
             signature[p.name] = "i32" if -(2**31) <= int(v) < 2**31 else "i64"
-    compiled = triton.compile(ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs), target=SM90, options=options)
+    compiled = triton.compile(
+        ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs), target=SM90, options=options
+    )
     shared = compiled.metadata.shared
     assert shared <= MAX_SHARED_BYTES, f"{fn.__name__} needs {shared} bytes of shared memory"
     return {"name": fn.__name__, "shared": shared, "num_warps": compiled.metadata.num_warps}

@@ -8,9 +8,9 @@ import torch
 import moemesh.kernels as kernels
 from moemesh.kernels import dispatch
 from moemesh.kernels.gating import grouped_topk_ref, topk_softmax_ref
-from moemesh.kernels.moe import fused_moe_ref
 from moemesh.kernels.kv_store import store_kv_cache_ref
 from moemesh.kernels.mla import mla_decode_attention_ref
+from moemesh.kernels.moe import fused_moe_ref
 from moemesh.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from moemesh.kernels.rotary import rotary_embedding_ref
 
@@ -29,16 +29,27 @@ def _cpu_calls():
     slots = torch.tensor([4, -1, 0, 3])
     kernels.store_kv_cache(k, k, caches[0], caches[1], slots)
     store_kv_cache_ref(k, k, caches[2], caches[3], slots)
-    mla_args = (torch.randn(2, 3, 6), torch.randn(2, 3, 2), torch.randn(3, 2, 8), torch.tensor([[0, 2], [1, 0]], dtype=torch.int32))
+    mla_args = (
+        torch.randn(2, 3, 6),
+        torch.randn(2, 3, 2),
+        torch.randn(3, 2, 8),
+        torch.tensor([[0, 2], [1, 0]], dtype=torch.int32),
+    )
     lens = torch.tensor([3, 2], dtype=torch.int32)
     return [
         (caches[0], caches[2]),
-        (kernels.rotary_embedding(positions, q, k, cos_sin, False), rotary_embedding_ref(positions, q, k, cos_sin, False)),
+        (
+            kernels.rotary_embedding(positions, q, k, cos_sin, False),
+            rotary_embedding_ref(positions, q, k, cos_sin, False),
+        ),
         (kernels.fused_add_rms_norm(x, x, torch.ones(8), 1e-6), fused_add_rms_norm_ref(x, x, torch.ones(8), 1e-6)),
         (kernels.mla_decode_attention(*mla_args, lens, 0.5), mla_decode_attention_ref(*mla_args, lens, 0.5)),
         (kernels.rms_norm(x, torch.ones(8), 1e-6), rms_norm_ref(x, torch.ones(8), 1e-6)),
         (kernels.topk_softmax(logits, 2, True), topk_softmax_ref(logits, 2, True)),
-        (kernels.grouped_topk(logits, 2, 4, 2, torch.zeros(8), True, 2.0), grouped_topk_ref(logits, 2, 4, 2, torch.zeros(8), True, 2.0)),
+        (
+            kernels.grouped_topk(logits, 2, 4, 2, torch.zeros(8), True, 2.0),
+            grouped_topk_ref(logits, 2, 4, 2, torch.zeros(8), True, 2.0),
+        ),
         (kernels.fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids)),
     ]
 
@@ -59,7 +70,9 @@ def test_cuda_tensors_take_the_triton_path(monkeypatch):
     original = dispatch.rms_norm_triton
     monkeypatch.setattr(dispatch, "rms_norm_triton", lambda *a: called.append(1) or original(*a))
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(64, device="cuda"), 1e-6), rms_norm_ref(x, torch.ones(64, device="cuda"), 1e-6))
+    torch.testing.assert_close(
+        kernels.rms_norm(x, torch.ones(64, device="cuda"), 1e-6), rms_norm_ref(x, torch.ones(64, device="cuda"), 1e-6)
+    )
     assert called
 
 

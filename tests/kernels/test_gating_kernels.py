@@ -84,7 +84,12 @@ def _grouped_logits_with_ties():
 
 
 # (bias, scoring_func, renormalize, routed_scaling_factor)
-GROUPED_CASES = [(True, "sigmoid", True, 2.5), (False, "sigmoid", True, 1.0), (True, "softmax", False, 1.0), (False, "softmax", False, 16.0)]
+GROUPED_CASES = [
+    (True, "sigmoid", True, 2.5),
+    (False, "sigmoid", True, 1.0),
+    (True, "softmax", False, 1.0),
+    (False, "softmax", False, 16.0),
+]
 
 
 @pytest.mark.parametrize("with_bias,scoring_func,renormalize,scaling", GROUPED_CASES)
@@ -96,7 +101,8 @@ def test_grouped_topk_matches_plain_python_including_ties(with_bias, scoring_fun
     bias_list = None if bias is None else bias.double().tolist()
     args = (3, 4, 2, bias, renormalize, scaling, scoring_func)
     expected = [
-        _py_grouped_topk(row, 3, 4, 2, bias_list, renormalize, scaling, scoring_func) for row in logits.double().tolist()
+        _py_grouped_topk(row, 3, 4, 2, bias_list, renormalize, scaling, scoring_func)
+        for row in logits.double().tolist()
     ]
     _check(grouped_topk_triton(logits, *args), expected)
     _check(grouped_topk_ref(logits, *args), expected)

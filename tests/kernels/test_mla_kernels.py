@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-
 from kernel_testing import assert_close_f64, nan_like, random_block_tables
+
 from moemesh.kernels.mla import mla_decode_attention_ref, mla_decode_attention_triton
 
 LORA_RANK, ROPE_DIM, BLOCK_SIZE, SCALE = 32, 8, 4, 0.2
@@ -17,7 +17,8 @@ def _naive_mla(q_latent, q_rope, kv_cache, block_tables, context_lens):
         rows = [kv_cache[int(block_tables[r, p // BLOCK_SIZE]), p % BLOCK_SIZE].double() for p in range(n)]
         for h in range(q_latent.shape[1]):
             scores = [
-                SCALE * (float(q_latent[r, h].double() @ row[:LORA_RANK]) + float(q_rope[r, h].double() @ row[LORA_RANK:]))
+                SCALE
+                * (float(q_latent[r, h].double() @ row[:LORA_RANK]) + float(q_rope[r, h].double() @ row[LORA_RANK:]))
                 for row in rows
             ]
             if not scores:
@@ -40,7 +41,9 @@ def _inputs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mla_decode_matches_the_float64_oracle(dtype):
     q_latent, q_rope, kv_cache, tables, lens = _inputs(dtype)
-    out = mla_decode_attention_triton(q_latent, q_rope, kv_cache, tables, lens, SCALE, partition_size=16, out=nan_like(q_latent))
+    out = mla_decode_attention_triton(
+        q_latent, q_rope, kv_cache, tables, lens, SCALE, partition_size=16, out=nan_like(q_latent)
+    )
     assert_close_f64(out, _naive_mla(q_latent, q_rope, kv_cache, tables, CONTEXTS), dtype)
     assert out[1].eq(0).all()
 

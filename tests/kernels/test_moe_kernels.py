@@ -1,8 +1,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_testing import assert_close_f64, nan_like
+
 from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 40, 24, 6, 3  # neither dim a power of two: tiles are masked
@@ -26,7 +26,9 @@ def _inputs(dtype, num_tokens=11):
     x = torch.randn(num_tokens, HIDDEN, dtype=dtype)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN) / HIDDEN**0.5).to(dtype)
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTER) / INTER**0.5).to(dtype)
-    topk_ids = torch.rand(num_tokens, NUM_EXPERTS - 1).argsort(dim=1)[:, :TOP_K].contiguous()  # distinct per token; expert 5 unused
+    topk_ids = (
+        torch.rand(num_tokens, NUM_EXPERTS - 1).argsort(dim=1)[:, :TOP_K].contiguous()
+    )  # distinct per token; expert 5 unused
     topk_weights = torch.rand(num_tokens, TOP_K) + 0.1
     if num_tokens > 3:
         topk_ids[1, 2] = -1  # a skipped slot (e.g. a dropped replica)
@@ -54,7 +56,9 @@ def test_triton_fused_moe_with_int32_ids_and_many_tokens_per_expert():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_fused_moe_matches_the_float64_oracle(dtype):
     x, w13, w2, topk_weights, topk_ids = _inputs(dtype)
-    assert_close_f64(fused_moe_ref(x, w13, w2, topk_weights, topk_ids), _naive_moe(x, w13, w2, topk_weights, topk_ids), dtype)
+    assert_close_f64(
+        fused_moe_ref(x, w13, w2, topk_weights, topk_ids), _naive_moe(x, w13, w2, topk_weights, topk_ids), dtype
+    )
 
 
 def test_fused_moe_of_no_tokens_is_empty():

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from kernel_testing import assert_close_f64
+
 from moemesh.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 
 HIDDEN, EPS = 40, 1e-5  # hidden not a power of two: the kernel's tile is masked

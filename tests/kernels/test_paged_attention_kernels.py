@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-
 from kernel_testing import assert_close_f64, gather_positions, nan_like, random_block_tables
+
 from moemesh.kernels.dispatch import paged_attention
 from moemesh.kernels.paged_attention import (
     paged_decode_attention_ref,

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from kernel_testing import assert_close_f64
+
 from moemesh.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 
 NUM_TOKENS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_POSITION = 5, 3, 2, 16, 64

@@ -38,7 +38,7 @@ def workers(cluster: LocalCluster) -> list[Service]:
 
 def load(service: Service) -> telemetry_pb2.LoadReport:
     with grpc.insecure_channel(service.grpc_endpoint) as channel:
-        return decode_pb2_grpc.DecodeWorkerStub(channel).GetLoad(telemetry_pb2.LoadRequest(), timeout=5)
+        return decode_pb2_grpc.DecodeWorkerStub(channel).GetLoad(telemetry_pb2.LoadRequest(), timeout=RPC_TIMEOUT_S)
 
 
 def load_any(service: Service) -> telemetry_pb2.LoadReport:
@@ -50,14 +50,19 @@ def load_any(service: Service) -> telemetry_pb2.LoadReport:
             stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
         else:
             stub = decode_pb2_grpc.DecodeWorkerStub(channel)
-        return stub.GetLoad(telemetry_pb2.LoadRequest(), timeout=5)
+        return stub.GetLoad(telemetry_pb2.LoadRequest(), timeout=RPC_TIMEOUT_S)
 
 
 def metrics_port(service: Service) -> int:
     return int(service.args[service.args.index("--metrics-port") + 1])
 
 
-def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.1, message: str = "condition"):
+WAIT_TIMEOUT_S = 120.0  # an upper bound for a loaded 2-core machine; waits end as soon as the condition holds
+RPC_TIMEOUT_S = 30.0
+
+
+def wait_until(predicate, timeout_s: float = WAIT_TIMEOUT_S, interval_s: float = 0.1, message: str = "condition"):
+    """Poll `predicate` until it returns a truthy value (returned); fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()

@@ -1,29 +1,10 @@
-"""Service-test fixtures: a real redis-server on a free loopback port (one per session; each
-module uses its own mesh id or its own server), and the offline engine as the oracle."""
+"""Service-test fixtures: the offline engine as the oracle, its tokenizer and model id. The
+redis-server fixtures (`redis_server`, `redis_client`) come from tests/conftest.py; each module
+uses its own mesh id, or its own server (test_faults.py)."""
 
 from __future__ import annotations
 
 import pytest
-
-from moemesh.launcher.local_cluster import RedisServer
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_client(redis_server):
-    import redis
-
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from tests.services.otlp_collector import OtlpCollector
 from tests.services.cluster_helpers import (
     ROUTER_ARGS,
     decode_workers,
@@ -28,6 +27,7 @@ from tests.services.cluster_helpers import (
     wait_until,
     workers,
 )
+from tests.services.otlp_collector import OtlpCollector
 
 MESH = "api"
 PROMPTS = [
@@ -199,8 +199,8 @@ def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: st
 
 def test_router_hash_chain_equals_the_blocks_the_worker_cached(cluster, tokenizer, redis_server):
     from moemesh.common.grpc_util import ChannelPool
-    from moemesh.router.settings import RouterSettings
     from moemesh.router.main import build_frontend
+    from moemesh.router.settings import RouterSettings
 
     index = PrefixIndex(connect(redis_server.url), MESH)
     router = cluster.services["router"]
@@ -239,7 +239,9 @@ def test_kv_aware_sends_a_shared_prefix_to_the_worker_holding_it_and_round_robin
 
 
 def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(cluster, client, model):
-    raw = httpx.post(cluster.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    raw = httpx.post(
+        cluster.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     cases = [
         (404, "model", lambda: client.completions.create(model="no-such-model", prompt="hi")),
@@ -316,7 +318,7 @@ def test_every_service_exports_its_spans_over_otlp_to_a_collector(cluster, colle
                 return router.service, decode.service, transfer.name, span.service
         return None
 
-    chain = wait_until(linked_chain, timeout_s=20, message="a linked router -> decode -> prefill trace over OTLP")
+    chain = wait_until(linked_chain, message="a linked router -> decode -> prefill trace over OTLP")
     assert chain == ("moemesh-router", "moemesh-decode", "kv_transfer", "moemesh-prefill")
 
 
@@ -363,6 +365,6 @@ def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(
         return all(r.num_blocks_used == 0 and r.num_running == 0 and r.num_waiting == 0 and r.num_waiting_for_kv == 0
                    for r in reports)  # fmt: skip
 
-    wait_until(idle, timeout_s=30, message="every worker back to zero blocks in use")
+    wait_until(idle, message="every worker back to zero blocks in use")
     metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
     assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct.Q4_1"} 0.0' in metrics

@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from moemesh.common import registry
-from moemesh.launcher.local_cluster import RedisServer
 from moemesh.common.prefix_index import PrefixIndex, meta_key
 from moemesh.common.redis_client import connect
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from tests.redis_process import RedisServer
 from tests.services.cluster_helpers import decode_workers, load, test_cluster, wait_until
 
 MESH = "faults"
@@ -22,6 +22,7 @@ MESH = "faults"
 
 @pytest.fixture(scope="module")
 def redis_server():
+    """This module's own redis-server (a test stops and restarts it), not the session's."""
     server = RedisServer().start()
     yield server
     server.stop()
@@ -96,8 +97,8 @@ def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_r
     finally:
         redis_server.start()
     wait_until(lambda: sorted(w.worker_id for w in registry.list_workers(redis_client, MESH)
-                              if w.role != "router") == worker_names, timeout_s=15, message="registry rebuilt")  # fmt: skip
-    wait_until(lambda: index.indexed_workers() == worker_names, timeout_s=15, message="prefix index rebuilt")
+                              if w.role != "router") == worker_names, message="registry rebuilt")  # fmt: skip
+    wait_until(lambda: index.indexed_workers() == worker_names, message="prefix index rebuilt")
     decode = decode_workers(cluster)[0]
     assert wait_until(lambda: index.worker_blocks(decode.name), message="the decode worker's blocks re-indexed")
     router_log = open(cluster.services["router"].log_path).read()
@@ -107,7 +108,9 @@ def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_r
     assert response.choices[0].text is not None
 
 
-def test_a_decode_worker_killed_mid_stream_fails_the_stream_at_once_and_a_retry_succeeds(cluster, client, model, killed):
+def test_a_decode_worker_killed_mid_stream_fails_the_stream_at_once_and_a_retry_succeeds(
+    cluster, client, model, killed
+):
     stream = client.completions.create(model=model, prompt="Count slowly from one to one hundred:", max_tokens=400,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
     chunks = iter(stream)
@@ -147,7 +150,7 @@ def test_stopped_workers_leave_no_redis_state_behind(cluster, redis_client, kill
         cluster.stop_service(killed[0], signal.SIGKILL)
     victim = killed[0]
     # killed: its entries expire after the TTL (3 s) and the router's reaper removes them
-    wait_until(lambda: not keys_mentioning(redis_client, victim), timeout_s=15, message=f"no keys for {victim}")
+    wait_until(lambda: not keys_mentioning(redis_client, victim), message=f"no keys for {victim}")
     # stopped gracefully: gone as soon as it exits
     assert keys_mentioning(redis_client, "prefill-0")
     assert cluster.stop_service("prefill-0", signal.SIGTERM) == 0

@@ -12,17 +12,19 @@ import pytest
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.redis_client import connect
 from moemesh.common.settings import MeshSettings
-from moemesh.router.settings import RouterSettings
 from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from moemesh.router.grpc_api import GenerateServicer
 from moemesh.router.http_api import build_app
 from moemesh.router.main import build_frontend
+from moemesh.router.settings import RouterSettings
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 def make_frontend(redis_server, max_in_flight: int = 8):
-    settings = RouterSettings(max_in_flight=max_in_flight, mesh=MeshSettings(mesh="nobody-here", redis_url=redis_server.url))
+    settings = RouterSettings(
+        max_in_flight=max_in_flight, mesh=MeshSettings(mesh="nobody-here", redis_url=redis_server.url)
+    )
     frontend, pool = build_frontend(settings, connect(redis_server.url), ChannelPool())
     return frontend, pool
 

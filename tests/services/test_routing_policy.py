@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import redis
 
 from moemesh.common import registry

@@ -44,8 +44,8 @@ def alive(pid: int) -> bool:
 def interrupt_and_wait_gone(up: subprocess.Popen, processes: set[int]) -> None:
     """Ctrl-C to `moemesh up`'s process group: it exits 0 and every process it started is gone."""
     os.killpg(up.pid, signal.SIGINT)
-    assert up.wait(60) == 0
-    deadline = time.monotonic() + 10
+    assert up.wait(120) == 0
+    deadline = time.monotonic() + 60  # an upper bound on a loaded machine; the loop ends when all are gone
     while any(alive(p) for p in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in processes if alive(p)] == []

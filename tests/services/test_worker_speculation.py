@@ -10,11 +10,11 @@ import pytest
 
 from moemesh import SamplingParams
 from moemesh.common.settings import SettingsError
-from moemesh.serve_args import add_serve_arguments
-from moemesh.worker.settings import worker_settings
-from moemesh.worker.main import engine_config
 from moemesh.engine.config import SpecConfig
 from moemesh.engine.llm_engine import LLMEngine
+from moemesh.serve_args import add_serve_arguments
+from moemesh.worker.main import engine_config
+from moemesh.worker.settings import worker_settings
 
 PROMPTS = [
     "Repeat the text exactly.\nText: red fish, blue fish, red fish, blue fish.\nRepeated text:",

@@ -27,24 +27,36 @@ class ReplicaGroup(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., expert: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
 
 class RunExpertsRequest(_message.Message):
-    __slots__ = ("layer", "placement_version", "hidden_states", "groups", "row_ids")
+    __slots__ = ("layer", "placement_version", "hidden_states", "groups", "row_ids", "entry_weights", "sequence_id")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     ROW_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     layer: int
     placement_version: int
     hidden_states: Tensor
     groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
     row_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer: _Optional[int] = ..., placement_version: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., row_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    entry_weights: Tensor
+    sequence_id: int
+    def __init__(self, layer: _Optional[int] = ..., placement_version: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., row_ids: _Optional[_Iterable[int]] = ..., entry_weights: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ...) -> None: ...
 
 class RunExpertsResponse(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "sequence_id", "error_code", "error", "compute_s")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     outputs: Tensor
-    def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    sequence_id: int
+    error_code: str
+    error: str
+    compute_s: float
+    def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class ExpertStatusRequest(_message.Message):
     __slots__ = ()

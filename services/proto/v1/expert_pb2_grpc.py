@@ -39,6 +39,11 @@ class ExpertWorkerStub:
                 request_serializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.SerializeToString,
                 response_deserializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.FromString,
                 _registered_method=True)
+        self.RunExpertsStream = channel.stream_stream(
+                '/moemesh.v1.ExpertWorker/RunExpertsStream',
+                request_serializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.SerializeToString,
+                response_deserializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/moemesh.v1.ExpertWorker/GetStatus',
                 request_serializer=moemesh_dot_v1_dot_expert__pb2.ExpertStatusRequest.SerializeToString,
@@ -58,6 +63,15 @@ class ExpertWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunExpertsStream(self, request_iterator, context):
+        """The data plane of the grpc-stream transport: one long-lived call per (attention worker,
+        expert worker); each request carries a sequence_id and gets exactly one response with the
+        same id (in order). A refused request is answered with `error_code` set, the stream stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Model shape, loaded placement versions, hosted replicas and their token counters.
         """
@@ -70,6 +84,11 @@ def add_ExpertWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RunExperts': grpc.unary_unary_rpc_method_handler(
                     servicer.RunExperts,
+                    request_deserializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.FromString,
+                    response_serializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.SerializeToString,
+            ),
+            'RunExpertsStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RunExpertsStream,
                     request_deserializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.FromString,
                     response_serializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.SerializeToString,
             ),
@@ -104,6 +123,33 @@ class ExpertWorker:
             request,
             target,
             '/moemesh.v1.ExpertWorker/RunExperts',
+            moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.SerializeToString,
+            moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunExpertsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/moemesh.v1.ExpertWorker/RunExpertsStream',
             moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.SerializeToString,
             moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.FromString,
             options,

@@ -17,7 +17,7 @@ def hf_generate(model, prompts: list[list[int]], max_new: int) -> list[list[int]
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                  min_new_tokens=max_new, do_sample=False, pad_token_id=0)  # fmt: skip
-            outputs.append(out[0, len(prompt):].tolist())
+            outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 

@@ -21,10 +21,24 @@ from moemesh.common.placement_apply import apply_placement, even_placement
 from moemesh.common.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from tests.engine.moe.models import make_prompts
-from tests.services.cluster_helpers import generate, wait_until
+from tests.services.cluster_helpers import WAIT_TIMEOUT_S, generate, wait_until
+
 from .conftest import hf_generate, local_engine
-from .expert_helpers import (MAX_NEW, expert_cluster, expert_tokens, experts, generate_all, placement_from_rows,
-                             replica_tokens, status, twice_on_different_workers)  # fmt: skip
+from .expert_helpers import (
+    MAX_NEW,
+    expert_cluster,
+    expert_tokens,
+    experts,
+    generate_all,
+    hosted_mask,
+    keyspace_events,
+    placement_from_rows,
+    replica_tokens,
+    status,
+    steady_traffic,
+    twice_on_different_workers,  # fmt: skip
+    written_keys,
+)
 
 MESH = "expert-qwen"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -63,7 +77,7 @@ def expected(llm, prompts):
 
 
 def apply(client, placement):
-    return apply_placement(client, MESH, placement, timeout_s=60)
+    return apply_placement(client, MESH, placement, timeout_s=WAIT_TIMEOUT_S)
 
 
 def wait_dispatching(cluster, version: int) -> None:
@@ -78,7 +92,7 @@ def wait_dispatching(cluster, version: int) -> None:
             return 0
         return sum(replica_tokens(cluster, version).values())
 
-    wait_until(dispatched, timeout_s=30, message=f"dispatch with placement {version}")
+    wait_until(dispatched, message=f"dispatch with placement {version}")
 
 
 def test_greedy_outputs_through_three_expert_workers_equal_local_experts_and_hugging_face(cluster, qwen3, llm, prompts):
@@ -89,12 +103,34 @@ def test_greedy_outputs_through_three_expert_workers_equal_local_experts_and_hug
     assert all(status(s).serving and status(s).active_version == 1 for s in experts(cluster))
 
 
-def test_each_expert_worker_reports_its_share_of_the_load_to_redis(cluster, client, shape):
+def test_each_expert_worker_reports_its_share_of_the_load_to_redis(cluster, redis_server, client, shape):
+    """Under steady traffic every expert worker publishes a window (0.5 s in this cluster) with
+    tokens only on the experts it hosts; the windows are awaited by keyspace notification."""
     from moemesh.common.expert_load import read_expert_load
+    from moemesh.common.redis_keys import expert_load_key_prefix
 
-    load = wait_until(lambda: (l := read_expert_load(client, MESH, *shape)).num_workers == 3 and l.counts.any() and l,
-                      timeout_s=20, message="expert load windows")  # fmt: skip
-    assert load.counts.shape == shape and load.max_window_s == 0.5
+    prefix = expert_load_key_prefix(MESH)
+    hosted = {s.worker_id: hosted_mask(s) for s in map(status, experts(cluster))}
+    assert not any(mask.all() for mask in hosted.values())  # each worker hosts only a share of the experts
+    windows: dict[str, np.ndarray] = {}  # worker id -> its first window with tokens, [num_layers, num_experts]
+    notifier = redis_server.client()
+    with keyspace_events(notifier, prefix + "*") as events, steady_traffic(router(cluster), [1, 2, 3, 4, 5, 6, 7, 8]):
+        for key in written_keys(events):
+            shape_field, dtype, payload, window_s = client.hmget(key, ["shape", "dtype", "counts", "window_s"])
+            if payload is None:  # replaced or expired since the notification
+                continue
+            assert (shape_field, dtype, float(window_s)) == (f"{shape[0]},{shape[1]}".encode(), b"<i8", 0.5)
+            counts = np.frombuffer(payload, dtype="<i8").reshape(shape)
+            if counts.any():
+                windows.setdefault(key.removeprefix(prefix), counts)
+            if len(windows) == len(hosted):
+                break
+    notifier.close()
+    assert sorted(windows) == sorted(hosted)
+    for worker_id, counts in windows.items():
+        assert not counts[~hosted[worker_id]].any(), f"{worker_id} counted tokens of experts it does not host"
+    load = read_expert_load(client, MESH, *shape)
+    assert load.num_workers == 3 and load.counts.shape == shape and load.max_window_s == 0.5
 
 
 def test_two_replicas_of_hot_experts_keep_outputs_identical_and_split_their_tokens(cluster, client, llm, shape):
@@ -145,7 +181,7 @@ def test_three_live_rebalances_under_load_fail_nothing_and_release_old_replicas(
     thread = threading.Thread(target=stream)
     thread.start()
     try:
-        wait_until(lambda: results or errors, timeout_s=60, message="the first round of the stream")
+        wait_until(lambda: results or errors, message="the first round of the stream")
         versions = [apply(client, p).version for p in placements]
     finally:
         rebalanced.set()
@@ -165,7 +201,7 @@ def test_three_live_rebalances_under_load_fail_nothing_and_release_old_replicas(
                 return False
         return True
 
-    wait_until(released, timeout_s=20, message="old replicas released")
+    wait_until(released, message="old replicas released")
 
 
 def test_bad_placements_are_rejected_and_the_active_one_stays(cluster, client, llm, prompts, shape, tmp_path):
@@ -183,7 +219,7 @@ def test_bad_placements_are_rejected_and_the_active_one_stays(cluster, client, l
     bad_file.write_text(json.dumps(data))
     port = client.connection_pool.connection_kwargs["port"]
     cli = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(bad_file), "--redis-url",
-                          f"redis://127.0.0.1:{port}/0", "--mesh", MESH], capture_output=True, text=True, timeout=60)  # fmt: skip
+                          f"redis://127.0.0.1:{port}/0", "--mesh", MESH], capture_output=True, text=True, timeout=WAIT_TIMEOUT_S)  # fmt: skip
     assert cli.returncode == 2
     assert "expert 0 has no replica in layer 0" in cli.stderr, cli.stderr
     assert (store.current_version(), store.latest_version()) == (active, latest)  # nothing published
@@ -196,7 +232,7 @@ def test_placement_apply_cli_applies_a_good_placement(cluster, client, shape, tm
     good.write_text(even_placement(num_layers, num_experts, [s.name for s in experts(cluster)]).to_json())
     port = client.connection_pool.connection_kwargs["port"]
     cli = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(good), "--redis-url",
-                          f"redis://127.0.0.1:{port}/0", "--mesh", MESH], capture_output=True, text=True, timeout=60)  # fmt: skip
+                          f"redis://127.0.0.1:{port}/0", "--mesh", MESH], capture_output=True, text=True, timeout=WAIT_TIMEOUT_S)  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     version = PlacementStore(client, MESH).current_version()
     assert cli.stdout.strip() == f"placement {version} is active on 3 expert workers"
@@ -217,7 +253,7 @@ def test_a_killed_expert_worker_is_routed_around_when_every_expert_has_another_r
     port = kill_and_restart_port(cluster, workers[1])
     assert generate_all(router(cluster), prompts) == expected(llm, prompts)
     cluster.add_expert(workers[1], port)
-    wait_until(lambda: status(cluster.services[workers[1]]).active_version == placement.version, timeout_s=30,
+    wait_until(lambda: status(cluster.services[workers[1]]).active_version == placement.version,
                message="the restarted worker serving the active placement")  # fmt: skip
 
 
@@ -241,4 +277,4 @@ def test_a_killed_expert_worker_without_replicas_fails_requests_fast_and_the_clu
         except grpc.RpcError:
             return None
 
-    assert wait_until(serves, timeout_s=60, message="requests succeeding again") == expected(llm, prompts)
+    assert wait_until(serves, message="requests succeeding again") == expected(llm, prompts)

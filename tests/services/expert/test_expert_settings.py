@@ -10,11 +10,14 @@ import pytest
 
 from moemesh.cli import build_parser
 from moemesh.common.settings import SettingsError
-from moemesh.worker.settings import worker_settings
 from moemesh.operator import manifests
 from moemesh.operator.spec import parse_spec
+from moemesh.worker.settings import worker_settings
 
-SPEC = {"model": {"name": "m", "source": "/models/m", "numMoeLayers": 3, "numExperts": 16}, "expert": {"replicas": 2}}
+SPEC = {
+    "model": {"name": "m", "source": {"builtin": "smollm2"}, "numMoeLayers": 3, "numExperts": 16},
+    "expert": {"replicas": 2},
+}
 
 
 def settings_from_manifests(role: str, tmp_path, pod_name: str):

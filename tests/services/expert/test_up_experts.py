@@ -12,9 +12,10 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from moemesh.launcher.local_cluster import free_port
 from moemesh.engine.sampling_params import SamplingParams
+from moemesh.launcher.local_cluster import free_port
 from tests.services.test_up import children_of, interrupt_and_wait_gone
+
 from .conftest import hf_generate, local_engine
 from .expert_helpers import MAX_NEW, generate_all
 
