@@ -126,10 +126,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             mesh = parse_spec(dict(spec), config.default_image)
         except SpecError as exc:
             logger.error(f"invalid InferenceMesh spec: {exc}")
-            conditions = set_condition(conditions, "SpecValid", False, "InvalidSpec", str(exc))
-            conditions = set_condition(
-                conditions, "Ready", False, "InvalidSpec", "fix the spec; children were not changed"
-            )
+            conditions = set_condition(conditions, "SpecValid", False, exc.reason, str(exc))
+            conditions = set_condition(conditions, "Ready", False, exc.reason, "fix the spec; children were not changed")
             patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
                                 observedGeneration=meta.get("generation"))  # fmt: skip
             return

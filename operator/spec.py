@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from moemesh.common.checkpoint_tensors import ModelConfigError
+from moemesh.common.memory_plan import MemoryPlanError, parse_size, plan_mesh
 from moemesh.operator.autoscaler import RatioGuard, ScalingPolicy
 from moemesh.operator.eplb import EplbError, EplbLayout
 from moemesh.operator.model_source import ModelSource, SourceError, parse_source
@@ -23,6 +25,14 @@ POD_FIELDS = ("runtimeClassName", "affinity", "topologySpreadConstraints", "prio
 class SpecError(ValueError):
     """The custom resource cannot be served as written; the message says what to fix."""
 
+    reason = "InvalidSpec"  # the status condition's reason
+
+
+class ExpertMemoryError(SpecError):
+    """The expert pods cannot hold every expert replica in their GPU memory (the memory plan)."""
+
+    reason = "ExpertPodsTooFew"
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -31,6 +41,8 @@ class ModelSpec:
     num_moe_layers: int = 0
     num_experts: int = 0
     num_expert_groups: int = 1
+    config: dict[str, Any] | None = None  # the checkpoint's config.json, for the memory plan
+    gpu_memory_bytes: int | None = None  # one pod's GPU memory, for the memory plan
 
 
 @dataclass(frozen=True)
@@ -199,6 +211,8 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         num_moe_layers=_int(model, "numMoeLayers", 0, "spec.model"),
         num_experts=_int(model, "numExperts", 0, "spec.model"),
         num_expert_groups=_int(model, "numExpertGroups", 1, "spec.model", minimum=1),
+        config=_section(model, "config", "spec.model") or None,
+        gpu_memory_bytes=_gpu_memory(model.get("gpuMemory")),
     )
     image = _section(spec, "image", "spec")
     repository = image.get("repository")
@@ -262,7 +276,32 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         _ = mesh.expert_layout  # validates the expert/EPLB combination
     except EplbError as exc:
         raise SpecError(f"spec.expert/spec.eplb/spec.model: {exc}") from exc
+    _check_expert_memory(mesh)
     return mesh
+
+
+def _gpu_memory(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except MemoryPlanError as exc:
+        raise SpecError(f"spec.model.gpuMemory: {exc}") from exc
+
+
+def _check_expert_memory(mesh: MeshSpec) -> None:
+    """With spec.model.config and spec.model.gpuMemory, the memory plan (the same function as
+    `moemesh plan`) decides whether spec.expert.replicas pods hold every expert replica."""
+    model = mesh.model
+    if model.config is None or model.gpu_memory_bytes is None:
+        return
+    try:
+        plan = plan_mesh(model.config, None, model.gpu_memory_bytes, expert_pods=mesh.roles["expert"].replicas,
+                         redundant_experts=mesh.eplb.redundant_slots)  # fmt: skip
+    except (ModelConfigError, MemoryPlanError) as exc:
+        raise SpecError(f"spec.model.config: {exc}") from exc
+    if plan.expert_pods_problem:
+        raise ExpertMemoryError(f"spec.expert.replicas={mesh.roles['expert'].replicas}: {plan.expert_pods_problem}")
 
 
 def _source(source: Any) -> ModelSource:

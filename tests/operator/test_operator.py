@@ -12,6 +12,7 @@ from moemesh.common.expert_load import publish_expert_load
 from moemesh.common.placement import PlacementStore
 from moemesh.common.registry import WorkerRecord, heartbeat
 from moemesh.operator.kube import KubeApi
+from tests.published_configs import DEEPSEEK_V3
 
 pytestmark = pytest.mark.asyncio
 
@@ -160,6 +161,28 @@ async def test_invalid_spec_sets_a_condition_and_creates_nothing(kmock, operator
     assert "spec.decode: need minReplicas <= replicas <= maxReplicas, got 3 <= 1 <= 4" in spec_valid["message"]
     assert condition(kmock, "Ready")["status"] == "False"
     assert not any(live(kmock, r, n) for r, n in CHILDREN)
+
+
+async def test_expert_pods_too_small_for_every_replica_get_a_condition_and_nothing_is_scheduled(kmock, operator):
+    """DeepSeek-V3 (FP8) on 141 GiB pods: 256 experts + 32 redundant need 6 expert pods; 4 are refused
+    with the memory plan's reason, and raising spec.expert.replicas to 6 lets the mesh be applied."""
+    model = {**BASE["spec"]["model"], "numMoeLayers": 58, "numExperts": 256, "numExpertGroups": 8,
+             "config": DEEPSEEK_V3, "gpuMemory": "141GiB"}  # fmt: skip
+    eplb = {"enabled": False, "redundantSlots": 32}
+    await create(kmock, mesh_body(model=model, expert={"replicas": 4}, eplb=eplb))
+    spec_valid = await eventually(lambda: condition(kmock, "SpecValid"), message="SpecValid")
+    assert spec_valid["status"] == "False" and spec_valid["reason"] == "ExpertPodsTooFew"
+    assert "4 expert pods would hold 72 slots" in spec_valid["message"]
+    assert "at least 6 expert pods are needed" in spec_valid["message"]
+    assert condition(kmock, "Ready")["reason"] == "ExpertPodsTooFew"
+    assert not any(live(kmock, r, n) for r, n in CHILDREN)
+
+    response = await kmock.patch(f"{MESHES_URL}/m1", json={"metadata": {"generation": 2},
+                                                          "spec": {"expert": {"replicas": 6}}})  # fmt: skip
+    assert response.status < 300, await response.text()
+    await eventually(lambda: all(live(kmock, r, n) for r, n in CHILDREN), message="children after the fix")
+    assert live(kmock, "apps/v1/statefulsets", "m1-expert")["spec"]["replicas"] == 6
+    await eventually(lambda: (condition(kmock, "SpecValid") or {}).get("status") == "True", message="SpecValid")
 
 
 async def test_overload_scales_decode_up_then_down_after_the_window(kmock, operator, redis_client):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.engine.moe.conftest import one_thread  # noqa: F401 - the same package-wide fixture
+from tests.engine.moe.fp8_models import save_fp8_deepseek_v3
 from tests.engine.moe.models import build_deepseek_v3, build_qwen3_moe, make_prompts, save_tiny
 
 
@@ -38,6 +39,14 @@ def qwen3(tmp_path_factory):
 def deepseek(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("deepseek_v3"))
     return path, save_tiny(build_deepseek_v3, path)
+
+
+@pytest.fixture(scope="package")
+def fp8_deepseek(tmp_path_factory):
+    """(block-FP8 checkpoint dir in the released layout, HF model on its fp32 dequantization)."""
+    path = str(tmp_path_factory.mktemp("deepseek_v3_fp8"))
+    hf, _ = save_fp8_deepseek_v3(path, str(tmp_path_factory.mktemp("deepseek_v3_dequantized")))
+    return path, hf
 
 
 @pytest.fixture(scope="package")
