@@ -127,7 +127,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         except SpecError as exc:
             logger.error(f"invalid InferenceMesh spec: {exc}")
             conditions = set_condition(conditions, "SpecValid", False, exc.reason, str(exc))
-            conditions = set_condition(conditions, "Ready", False, exc.reason, "fix the spec; children were not changed")
+            conditions = set_condition(
+                conditions, "Ready", False, exc.reason, "fix the spec; children were not changed"
+            )
             patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
                                 observedGeneration=meta.get("generation"))  # fmt: skip
             return

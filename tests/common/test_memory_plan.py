@@ -16,8 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.published_configs import DEEPSEEK_V3, QWEN3_30B_A3B
-
 from moemesh.common.memory_plan import (
     MemoryPlanError,
     check_expert_pods,
@@ -25,6 +23,7 @@ from moemesh.common.memory_plan import (
     parse_size,
     plan_mesh,
 )
+from tests.published_configs import DEEPSEEK_V3, QWEN3_30B_A3B
 
 GIB = 2**30
 
