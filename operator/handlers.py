@@ -7,7 +7,10 @@ config); ``moemesh.operator.main`` registers them into kopf's default registry f
 - login: kopf's service-account or kubeconfig login; the same credentials serve ``KubeApi``;
 - create/update/resume: parse the spec, apply the children, record conditions. A bad spec only
   sets ``SpecValid=False`` with the reason (no retry loop, no half-applied children);
-- timer: autoscale router/prefill/decode from the registry, run the EPLB step, record status;
+- timer: autoscale router/prefill/decode from the registry, run the EPLB step, report failed
+  containers of the mesh's pods (PodsHealthy), record status; re-apply when a workload is missing;
+- child deleted: a Deployment, StatefulSet, Service, ConfigMap or PodDisruptionBudget of a mesh
+  that someone deleted is re-applied at once (event handlers: kopf puts no finalizer on children);
 - delete: delete the children (owner references also let the garbage collector do it) and the
   mesh's placement keys in Redis.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import weakref
 from typing import Any
 
 import kopf
@@ -27,6 +31,7 @@ from moemesh.operator import manifests
 from moemesh.operator.autoscaler import SCALED_ROLES, AutoscalerState
 from moemesh.operator.config import OperatorConfig
 from moemesh.operator.kube import KubeApi, KubeError
+from moemesh.operator.pod_health import FORBIDDEN, PodsHealth, pods_health, with_pods_health
 from moemesh.operator.rebalance import delete_placements, rebalance_step
 from moemesh.operator.scaling import scale_step
 from moemesh.operator.spec import MeshSpec, SpecError, parse_spec
@@ -34,6 +39,9 @@ from moemesh.operator.status import merge_owned, set_condition
 
 RESOURCE = (manifests.GROUP, manifests.VERSION, manifests.PLURAL)
 WORKLOAD_KIND = {"router": "Deployment", "prefill": "Deployment", "decode": "Deployment", "expert": "StatefulSet"}
+CHILD_RESOURCES = (("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"),
+                   ("", "v1", "configmaps"), ("policy", "v1", "poddisruptionbudgets"))  # fmt: skip
+MANAGED = {"app.kubernetes.io/managed-by": "moemesh-operator"}
 
 
 def _redis_target(mesh: MeshSpec, config: OperatorConfig) -> tuple[str, tuple[str, str] | None]:
@@ -58,9 +66,28 @@ async def _desired_replicas(mesh: MeshSpec, kube: KubeApi, name: str, namespace:
     return replicas
 
 
-def _mesh_lock(memo: kopf.Memo) -> asyncio.Lock:
-    """Per-mesh lock (kopf gives each object its own memo) between reconcile and the timer."""
-    return memo.setdefault("mesh_lock", asyncio.Lock())
+def _mesh_lock(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Lock:
+    """Per-mesh lock between reconcile, the timer and the child handler (each object has its own
+    memo, a shallow copy of the operator's: the lock table is shared; a lock nobody holds or
+    awaits is dropped from it)."""
+    locks: weakref.WeakValueDictionary[str, asyncio.Lock] = memo.mesh_locks
+    lock = locks.get(manifests.mesh_id(namespace, name))
+    if lock is None:
+        lock = locks[manifests.mesh_id(namespace, name)] = asyncio.Lock()
+    return lock
+
+
+async def _apply_children(
+    memo: kopf.Memo, mesh: MeshSpec, name: str, namespace: str, uid: str, config: OperatorConfig
+) -> int:
+    """Apply every child of the mesh (the one path that writes them); returns how many."""
+    redis_url, secret = _redis_target(mesh, config)
+    async with _mesh_lock(memo, namespace, name):  # the timer patches replicas too
+        replicas = await _desired_replicas(mesh, memo.kube, name, namespace)
+        children = manifests.children(mesh, name, namespace, uid, replicas, redis_url, secret)
+        for child in children:
+            await memo.kube.apply(child)
+    return len(children)
 
 
 def manifests_roles() -> tuple[str, ...]:
@@ -92,6 +119,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         memo.setdefault("kube", KubeApi())
         memo.setdefault("clock", time.monotonic)
         memo.setdefault("redis_clients", {})
+        memo.setdefault("mesh_locks", weakref.WeakValueDictionary())
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo | None:
@@ -133,21 +161,39 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
                                 observedGeneration=meta.get("generation"))  # fmt: skip
             return
-        redis_url, secret = _redis_target(mesh, config)
         try:
-            async with _mesh_lock(memo):  # the timer patches replicas too
-                replicas = await _desired_replicas(mesh, memo.kube, name, namespace)
-                children = manifests.children(mesh, name, namespace, uid, replicas, redis_url, secret)
-                for child in children:
-                    await memo.kube.apply(child)
+            num_children = await _apply_children(memo, mesh, name, namespace, uid, config)
         except KubeError as exc:
             raise kopf.TemporaryError(f"applying children failed: {exc}", delay=15) from exc
         conditions = set_condition(conditions, "SpecValid", True, "Valid", "spec accepted")
-        conditions = set_condition(conditions, "Applied", True, "Reconciled", f"{len(children)} children applied")
+        conditions = set_condition(conditions, "Applied", True, "Reconciled", f"{num_children} children applied")
         if not any(c.get("type") == "Ready" for c in conditions):  # the timer reports it from the children
             conditions = set_condition(conditions, "Ready", False, "Starting", "no pod of the mesh is ready yet")
         patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
                             observedGeneration=meta.get("generation"))  # fmt: skip
+
+    async def child_deleted(
+        type: str, meta: kopf.Meta, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    ) -> None:
+        """Re-apply the owner mesh's children when one was deleted, unless the mesh is going away."""
+        owner = _owner_mesh(meta)
+        if type != "DELETED" or owner is None:
+            return
+        live = await memo.kube.get("InferenceMesh", namespace, owner)
+        if live is None or live["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            mesh = parse_spec(live.get("spec") or {}, config.default_image)
+            await _apply_children(memo, mesh, owner, namespace, live["metadata"]["uid"], config)
+        except SpecError:
+            return  # reconcile reported it; nothing is applied from an invalid spec
+        except KubeError as exc:  # event handlers are not retried: the timer re-applies missing workloads
+            logger.warning(f"re-applying the children of {owner} failed: {exc}")
+            return
+        logger.info(f"{meta.get('name')} was deleted: re-applied the children of InferenceMesh {owner}")
+
+    for resource in CHILD_RESOURCES:
+        kopf.on.event(*resource, labels=MANAGED, registry=registry)(child_deleted)
 
     @kopf.on.delete(*RESOURCE, registry=registry)
     async def delete(
@@ -171,6 +217,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         status: kopf.Status,
         name: str,
         namespace: str,
+        uid: str,
         meta: kopf.Meta,
         memo: kopf.Memo,
         patch: kopf.Patch,
@@ -186,14 +233,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         conditions = status.get("conditions")
         try:
             observed = await _observed_replicas(memo.kube, name, namespace)
+            applied = _condition_field(conditions, "Applied", "status") == "True"
+            if applied and len(observed) < len(WORKLOAD_KIND) and not meta.get("deletionTimestamp"):
+                missing = [role for role in manifests_roles() if role not in observed]
+                logger.info(f"re-applying the children: no {', '.join(missing)} workload")
+                await _apply_children(memo, mesh, name, namespace, uid, config)
+            health = await _pods_health(memo.kube, name, namespace)
         except KubeError as exc:
             raise kopf.TemporaryError(f"reading the children failed: {exc}", delay=15) from exc
-        ok, reason, message = readiness(observed)
+        if health is FORBIDDEN and memo.get("owned_conditions", {}).get("PodsHealthy", {}).get("reason") != "Forbidden":
+            logger.warning(f"pod failures are not reported: {health.message}")
+        conditions = set_condition(conditions, "PodsHealthy", health.ok, health.reason, health.message)
+        ok, reason, message = with_pods_health(readiness(observed), health)
         conditions = set_condition(conditions, "Ready", ok, reason, message)
         try:
             client = await _redis_client(memo, memo.kube, mesh, namespace, config)
             workers = await asyncio.to_thread(list_workers, client, mesh_key)
-            async with _mesh_lock(memo):
+            async with _mesh_lock(memo, namespace, name):
                 roles = await _autoscale(mesh, name, namespace, memo, workers, now)
             for role, (replicas, ready) in observed.items():
                 roles.setdefault(role, {}).update(replicas=replicas, readyReplicas=ready)
@@ -235,7 +291,30 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
 
 RECONCILE_CONDITIONS = ("SpecValid", "Applied", "Ready")
-TIMER_CONDITIONS = ("TelemetryAvailable", "Ready")
+TIMER_CONDITIONS = ("TelemetryAvailable", "PodsHealthy", "Ready")
+
+
+def _owner_mesh(meta: kopf.Meta) -> str | None:
+    """The name of the InferenceMesh that owns a child, from its owner references."""
+    for ref in meta.get("ownerReferences") or ():
+        if ref.get("kind") == manifests.KIND and ref.get("apiVersion") == f"{manifests.GROUP}/{manifests.VERSION}":
+            return ref.get("name")
+    return None
+
+
+def _condition_field(conditions: list[dict[str, Any]] | None, type_: str, field: str) -> Any:
+    return next((c.get(field) for c in conditions or () if c.get("type") == type_), None)
+
+
+async def _pods_health(kube: KubeApi, name: str, namespace: str) -> PodsHealth:
+    """PodsHealthy from the mesh's pods; unknown when the operator may not list pods (403)."""
+    try:
+        pods = await kube.list("Pod", namespace, {"app.kubernetes.io/instance": name, **MANAGED})
+    except KubeError as exc:
+        if exc.status == 403:
+            return FORBIDDEN
+        raise
+    return pods_health(pods)
 
 
 def _stamp(conditions: list[dict[str, Any]], meta: kopf.Meta) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from lightkube import ApiError, AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import ConfigMap, Secret, Service
+from lightkube.resources.core_v1 import ConfigMap, Pod, Secret, Service
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
@@ -40,6 +40,7 @@ RESOURCES = {
     "Deployment": Deployment,
     "StatefulSet": StatefulSet,
     "PodDisruptionBudget": PodDisruptionBudget,
+    "Pod": Pod,
     "InferenceMesh": InferenceMesh,
 }
 
@@ -141,6 +142,17 @@ class KubeApi:
             f"get {kind} {namespace}/{name}", self._api().get(RESOURCES[kind], name, namespace=namespace)
         )
         return None if obj is None else _dict(obj)
+
+    async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Manifest]:
+        """The objects of ``kind`` in ``namespace`` carrying every one of ``labels`` (the server
+        selects them; the check here keeps servers that ignore labelSelector honest)."""
+
+        async def collect() -> list[Any]:
+            return [obj async for obj in self._api().list(RESOURCES[kind], namespace=namespace, labels=labels)]
+
+        found = await self._call(f"list {kind} {namespace} {labels}", collect())
+        objs = [_dict(obj) for obj in found or ()]
+        return [obj for obj in objs if labels.items() <= ((obj.get("metadata") or {}).get("labels") or {}).items()]
 
     async def create(self, manifest: Manifest) -> Manifest:
         meta = manifest["metadata"]

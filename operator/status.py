@@ -7,11 +7,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 # Ready: children reconciled from a valid spec. SpecValid: the spec parsed.
-# TelemetryAvailable: the timer could read Redis.
-# The reconcile handler owns SpecValid and Ready, the timer TelemetryAvailable. Kopf runs timers
-# concurrently with change handlers, and a status patch replaces the whole list, so each handler
-# writes the other's latest conditions too (`merge_owned`, from the per-object memo); otherwise a
-# tick that read the status before a reconcile's patch would erase Ready.
+# TelemetryAvailable: the timer could read Redis. PodsHealthy: no container of the mesh's pods has
+# failed (Unknown when the operator may not list pods).
+# The reconcile handler owns SpecValid and Ready, the timer TelemetryAvailable and PodsHealthy.
+# Kopf runs timers concurrently with change handlers, and a status patch replaces the whole list,
+# so each handler writes the other's latest conditions too (`merge_owned`, from the per-object
+# memo); otherwise a tick that read the status before a reconcile's patch would erase Ready.
 
 
 def now_rfc3339() -> str:
@@ -21,12 +22,13 @@ def now_rfc3339() -> str:
 def set_condition(
     existing: Iterable[Mapping[str, Any]] | None,
     type_: str,
-    ok: bool,
+    ok: bool | None,
     reason: str,
     message: str,
 ) -> list[dict[str, Any]]:
-    """The conditions list with ``type_`` set; lastTransitionTime changes only with the status."""
-    status = "True" if ok else "False"
+    """The conditions list with ``type_`` set (``ok`` None: status Unknown); lastTransitionTime
+    changes only with the status."""
+    status = "Unknown" if ok is None else "True" if ok else "False"
     result: list[dict[str, Any]] = []
     found = False
     for condition in existing or ():

@@ -89,7 +89,12 @@ def test_lint_is_clean(case):
 def test_crd_is_a_valid_v1_custom_resource_definition(crd):
     kubernetes_validate.validate(crd, "1.30", strict=True)
     version = crd["spec"]["versions"][0]
-    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.decode.replicas"
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.decode.replicas",
+        "statusReplicasPath": ".status.roles.decode.readyReplicas",
+        "labelSelectorPath": ".status.selector",  # an HPA or KEDA finds the decode pods through it
+    }
+    assert version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["selector"]["type"] == "string"
     assert {c["name"] for c in version["additionalPrinterColumns"]} >= {"Model", "Decode", "Placement", "Ready"}
 
 
@@ -163,6 +168,7 @@ def test_rbac_is_least_privilege(chart):
     assert rules[("moemesh.io", "inferencemeshes/status")] == {"get", "patch", "update"}
     assert rules[("moemesh.io", "inferencemeshes/scale")] == {"get", "patch", "update"}
     assert rules[("", "events")] == {"create", "patch"}
+    assert rules[("", "pods")] == {"get", "list", "watch"}  # read only: failed containers -> PodsHealthy
 
 
 def test_namespaced_mode_renders_a_role_there_and_runs_the_operator_with_that_namespace(chart):
@@ -178,6 +184,7 @@ def test_namespaced_mode_renders_a_role_there_and_runs_the_operator_with_that_na
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mm-moemesh-operator", "namespace": "moemesh"}]
     rules = rules_of(role)
     assert rules[("apps", "deployments")] == CHILD_VERBS and rules[("", "secrets")] == {"get"}  # namespaced only
+    assert rules[("", "pods")] == {"get", "list", "watch"}
     [operator] = by_kind(docs, "Deployment")
     assert operator["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace", "moemesh"]
     for doc in docs:
