@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import hashlib
 import pathlib
@@ -187,9 +188,43 @@ class Kubelet:
         return [p for n, p in self.pods.items() if self.role_of[n] == role]
 
     async def start_all(self, timeout_s: float = 600.0) -> None:
-        for pod in self.pods.values():
-            await asyncio.to_thread(pod.start)
-        await asyncio.gather(*(asyncio.to_thread(pod.wait_ready, timeout_s) for pod in self.pods.values()))
+        """Start every pod, then wait on their probes, each in a thread of its own: the loop's
+        default executor (cores + 4 threads) is the operator's too, and pods blocking it would
+        starve the timer that activates their expert placement."""
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.pods) or 1) as probes:
+            for pod in self.pods.values():
+                await loop.run_in_executor(probes, pod.start)
+            await asyncio.gather(
+                *(loop.run_in_executor(probes, pod.wait_ready, timeout_s) for pod in self.pods.values())
+            )
+
+    async def publish_pods(self) -> None:
+        """The Pod objects the workload controllers create, labelled as their templates."""
+        for name, pod in self.pods.items():
+            body = {"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": name, "namespace": self.node.namespace,
+                                 "labels": dict(pod.template["metadata"]["labels"])},
+                    "spec": pod.spec, "status": {"phase": "Pending", "podIP": pod.ip}}  # fmt: skip
+            response = await self.emulator.post(f"/api/v1/namespaces/{self.node.namespace}/pods", json=body)
+            assert response.status < 300, await response.text()
+
+    async def report_exit(self, pod: Pod) -> None:
+        """What the kubelet writes when a container of the pod failed: its terminated state, with the
+        termination message (FallbackToLogsOnError) and the pod phase."""
+        assert pod.terminated is not None, f"{pod.name} has not failed"
+        state = {"terminated": {"exitCode": pod.terminated["exitCode"], "reason": "Error",
+                                "message": pod.terminated["message"]}}  # fmt: skip
+        statuses = [{"name": pod.terminated["container"], "ready": False, "restartCount": 0, "state": state,
+                     "image": "moemesh", "imageID": ""}]  # fmt: skip
+        key = "initContainerStatuses" if pod.terminated["init"] else "containerStatuses"
+        body = {"status": {"phase": "Failed", "podIP": pod.ip, key: statuses}}
+        response = await self.emulator.patch(
+            f"/api/v1/namespaces/{self.node.namespace}/pods/{pod.name}/status",
+            json=body,
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        assert response.status < 300, await response.text()
 
     async def report_ready(self, workloads: list[dict], resource_of: dict[str, str]) -> None:
         """What the Deployment / StatefulSet controllers write once their pods are ready."""

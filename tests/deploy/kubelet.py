@@ -97,6 +97,7 @@ class Pod:
         self.log_path = self.dir / "main.log"
         (container,) = self.spec["containers"]  # one container per pod in our manifests
         self.container = container
+        self.terminated: dict | None = None  # {container, init, exitCode, message} once a container failed
 
     # -- volumes and environment ---------------------------------------------------------
     def _user(self) -> tuple[int | None, int | None]:
@@ -178,7 +179,8 @@ class Pod:
         env = self._env(container)
         argv = [expand(a, env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         uid, gid = self._user() if image_runs_as_pod_user(self._user()[0]) else (None, None)
-        spec = {"mounts": mounts, "uid": uid, "gid": gid, "argv": argv, "env": env,
+        image = sorted({str(ROOT), sys.prefix, sys.base_prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]})
+        spec = {"mounts": mounts, "uid": uid, "gid": gid, "argv": argv, "env": env, "image": image,
                 "cwd": container.get("workingDir") or "/tmp"}  # fmt: skip
         path = self.dir / f"{kind}.json"
         path.write_text(json.dumps(spec))
@@ -199,13 +201,19 @@ class Pod:
             process = self._launch(self._spec_file(init, volumes, hosts, f"init-{init['name']}"), log_path)
             code = process.wait(timeout=600)
             if code != 0:
+                self.terminated = {"container": init["name"], "init": True, "exitCode": code,
+                                   "message": termination_message(log_path)}  # fmt: skip
                 raise PodFailed(f"{self.name}: init container {init['name']} exited {code}: {tail(log_path)}")
         self.process = self._launch(self._spec_file(self.container, volumes, hosts, "main"), self.log_path)
         return self
 
     def wait_exit(self, timeout_s: float = 300.0) -> int:
         assert self.process is not None
-        return self.process.wait(timeout=timeout_s)
+        code = self.process.wait(timeout=timeout_s)
+        if code != 0:
+            self.terminated = {"container": self.container["name"], "init": False, "exitCode": code,
+                               "message": termination_message(self.log_path)}  # fmt: skip
+        return code
 
     def port(self, name_or_number) -> int:
         if isinstance(name_or_number, int):
@@ -286,6 +294,16 @@ def expand(text: str, env: dict[str, str]) -> str:
     """The kubelet's `$(VAR)` expansion ($$ escapes; unknown references stay as written)."""
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)  # fmt: skip
+
+
+def termination_message(path: Path) -> str:
+    """terminationMessagePolicy FallbackToLogsOnError: the end of the log, at most 80 lines or 2048 bytes."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    lines = data.splitlines(keepends=True)[-80:]
+    return b"".join(lines)[-2048:].decode(errors="replace")
 
 
 def tail(path: Path, num_lines: int = 15) -> str:

@@ -1,5 +1,6 @@
 """The deployed path, run as written: the chart's default InferenceMesh (builtin SmolLM2) and a
-1 prefill + 2 decode + 2 expert mesh on a tiny random DeepSeek-V3 from a PersistentVolumeClaim.
+1 prefill + 2 decode + 2 expert mesh on a tiny random DeepSeek-V3 from a PersistentVolumeClaim,
+plus a mesh whose PVC path is wrong: its pod exits non-zero naming the source, and the mesh says so.
 
 The operator's real handlers run in kopf.operator() on KMock; the children are read back from
 KMock; every pod template is started by the test kubelet exactly as written (command, args, env
@@ -35,6 +36,7 @@ from tests.deploy.harness import (
     render_chart,
 )
 from tests.deploy.kubelet import Node
+from tests.engine.moe.models import VOCAB, build_deepseek_v3, save_tiny
 
 pytestmark = pytest.mark.asyncio
 
@@ -116,7 +118,11 @@ async def serve_as_written(emulator, hosts: HostMap, node: Node, mesh_name: str)
     kubelet.schedule([w for w in workloads if w["spec"].get("replicas", 1) > 0])
     (router,) = kubelet.pods_of("router")
     hosts.add_service(f"{mesh_name}-router", NAMESPACE, router.ip)  # the router Service -> its pod
-    await kubelet.start_all()
+    try:
+        await kubelet.start_all()
+    except BaseException:
+        await asyncio.to_thread(kubelet.stop_all)  # no pod outlives a failed start
+        raise
     return kubelet, workloads
 
 
@@ -162,5 +168,92 @@ async def test_the_charts_default_mesh_serves_smollm2_as_the_offline_engine_does
         await asyncio.to_thread(kubelet.stop_all)
 
 
-def _dump(obj) -> str:
-    return json.dumps(obj, indent=1, sort_keys=True)[:3000]
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A real Hugging Face tokenizer for a tiny random model: word `w<i>` is token i, and the chat
+    template joins the messages' contents, so chat requests reach it as token ids it knows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(f"{path}/tokenizer.json")
+    template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": template, "add_bos_token": False}, f)
+
+
+def deepseek_mesh(docs: list[dict], name: str, claim: str, path: str) -> dict:
+    """The chart's mesh, renamed, on a tiny DeepSeek-V3 from a PVC: 1 prefill, 2 decode, 2 expert pods."""
+    mesh = json.loads(json.dumps(one(docs, "InferenceMesh")))
+    mesh["metadata"].update(name=name, uid=f"uid-{name}", generation=1, resourceVersion="1")
+    spec = mesh["spec"]
+    spec["model"] = {"name": "tiny-deepseek", "source": {"pvc": {"claimName": claim, "path": path}},
+                     "numMoeLayers": 2, "numExperts": 16, "numExpertGroups": 4}  # fmt: skip
+    spec["prefill"] = {**spec["prefill"], "replicas": 1}
+    spec["decode"] = {**spec["decode"], "replicas": 2, "minReplicas": 2}
+    spec["expert"] = {"replicas": 2}
+    return mesh
+
+
+async def create_mesh(emulator, mesh: dict) -> None:
+    response = await emulator.post(f"/apis/moemesh.io/v1alpha1/namespaces/{NAMESPACE}/inferencemeshes", json=mesh)
+    assert response.status < 300, await response.text()
+
+
+async def test_a_deepseek_v3_mesh_with_expert_pods_from_a_pvc_serves_as_the_offline_engine_does(cluster, tmp_path):
+    from moemesh import LLM
+    from moemesh.engine.sampling_params import SamplingParams
+
+    emulator, hosts, node, docs = cluster
+    checkpoint = tmp_path / "claim-models" / "tiny-deepseek"
+    checkpoint.mkdir(parents=True)
+    save_tiny(build_deepseek_v3, str(checkpoint))
+    save_word_tokenizer(str(checkpoint), VOCAB)
+    node.claims["models"] = tmp_path / "claim-models"
+    mesh = deepseek_mesh(docs, "ds", "models", "tiny-deepseek")
+    await create_mesh(emulator, mesh)
+    kubelet, workloads = await serve_as_written(emulator, hosts, node, "ds")
+    try:
+        assert {role: len(kubelet.pods_of(role)) for role in ("router", "prefill", "decode", "expert")} == {
+            "router": 1, "prefill": 1, "decode": 2, "expert": 2}  # fmt: skip
+        (router,) = kubelet.pods_of("router")
+        client = openai.OpenAI(base_url=f"http://{router.ip}:{router.port('http')}/v1", api_key="unused")
+        offline = LLM(str(checkpoint), num_blocks=256, max_model_len=256, show_progress=False)
+        conversations = [[{"role": "user", "content": " ".join(f"w{(7 * i + j) % VOCAB}" for j in range(3 + 2 * i))}]
+                         for i in range(4)]  # fmt: skip
+        for messages in conversations:  # the requests spread over both decode pods and the prefill pod
+            reply = await asyncio.to_thread(client.chat.completions.create, model="tiny-deepseek",
+                                            messages=messages, max_tokens=8, temperature=0)  # fmt: skip
+            expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+            assert reply.choices[0].message.content == expected
+        scrape_every_pod(kubelet)
+        await ready_only_after_the_workloads_report(emulator, kubelet, workloads, "ds")
+    finally:
+        await asyncio.to_thread(kubelet.stop_all)
+
+
+async def test_a_wrong_pvc_path_makes_the_pod_exit_naming_the_source_and_the_mesh_reports_it(cluster, tmp_path):
+    emulator, hosts, node, docs = cluster
+    (tmp_path / "claim-models").mkdir()
+    node.claims["models"] = tmp_path / "claim-models"
+    await create_mesh(emulator, deepseek_mesh(docs, "bad", "models", "no-such-model"))
+    workloads = await children_of(emulator, "bad", node)
+    kubelet = Kubelet(emulator, node, hosts)
+    kubelet.schedule([w for w in workloads if w["metadata"]["name"] == "bad-prefill"])
+    await kubelet.publish_pods()
+    (pod,) = kubelet.pods.values()
+    try:
+        await asyncio.to_thread(pod.start)
+        assert await asyncio.to_thread(pod.wait_exit) != 0
+        message = pod.terminated["message"].strip()
+        assert len(message.splitlines()) == 1, message
+        assert "pvc 'models' path 'no-such-model'" in message and "does not exist" in message
+        await kubelet.report_exit(pod)
+        healthy = await eventually(
+            lambda: (lambda c: c if c and c["status"] == "False" else None)(
+                condition(live(emulator, MESHES, NAMESPACE, "bad"), "PodsHealthy")),
+            message="PodsHealthy=False",
+        )  # fmt: skip
+        assert pod.name in healthy["message"] and "no-such-model" in healthy["message"]
+        assert (condition(live(emulator, MESHES, NAMESPACE, "bad"), "Ready") or {}).get("status") != "True"
+    finally:
+        await asyncio.to_thread(kubelet.stop_all)
