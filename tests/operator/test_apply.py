@@ -10,7 +10,6 @@ from test_operator import BASE, MESHES_URL, create, live
 
 from moemesh.operator.merge import merge_patch
 
-pytestmark = pytest.mark.asyncio
 
 TOLERATIONS = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
@@ -31,6 +30,7 @@ def deployment_writes(kmock):
     return [r.method for r in kmock[kmock_lib.resource("apps/v1/deployments")] if r.method in ("POST", "PATCH", "PUT")]
 
 
+@pytest.mark.asyncio
 async def test_removing_a_toleration_and_an_env_var_removes_them_from_the_deployment(kmock, operator):
     body = copy.deepcopy(BASE)
     body["spec"]["decode"] = {
@@ -62,6 +62,7 @@ async def test_removing_a_toleration_and_an_env_var_removes_them_from_the_deploy
     assert user_env(decode_pod(kmock)) == []
 
 
+@pytest.mark.asyncio
 async def test_apply_writes_nothing_when_nothing_changed(kmock, kubeconfig):
     import kopf
 
