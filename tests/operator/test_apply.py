@@ -10,7 +10,6 @@ from test_operator import BASE, MESHES_URL, create, live
 
 from moemesh.operator.merge import merge_patch
 
-
 TOLERATIONS = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
     {"key": "dedicated", "operator": "Equal", "value": "moe", "effect": "NoSchedule"},
