@@ -53,6 +53,14 @@ class ModelRunnerOutput:
     hidden_states: dict[str, TargetHiddenStates] = field(default_factory=dict)
 
 
+def bind_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
+    """Give every attention layer of `model` its own zeroed paged KV cache (the runner's, and the
+    private caches of the draft and MTP proposers)."""
+    for attn in model.attention_layers():
+        shapes = attn.kv_cache_shape(num_blocks, block_size)
+        attn.bind_kv_cache([torch.zeros(shape, dtype=dtype, device=device) for shape in shapes])
+
+
 def micro_batch_split(
     num_new: np.ndarray,  # [num_reqs] query tokens per request, in batch order
     context_lens: np.ndarray,  # [num_reqs] cached + new tokens
@@ -99,10 +107,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(model_config.device)
         self.block_size = budget.block_size
-        dtype = DTYPES[model_config.dtype]
-        for attn in model.attention_layers():
-            shapes = attn.kv_cache_shape(budget.num_blocks, budget.block_size)
-            attn.bind_kv_cache([torch.zeros(shape, dtype=dtype, device=self.device) for shape in shapes])
+        bind_kv_caches(model, budget.num_blocks, budget.block_size, DTYPES[model_config.dtype], self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(model_config.seed))
         self.requests: dict[str, CachedRequestState] = {}
         self.keep_hidden_states = False  # set by the engine when its proposer drafts from them

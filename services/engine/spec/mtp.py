@@ -40,7 +40,7 @@ from moemesh.engine.config import CacheConfig, ModelConfig, SpecConfig
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.loader import open_checkpoint
 from moemesh.engine.loader.build import DTYPES, build_mtp_model
-from moemesh.engine.model_runner import measure_cache_budget
+from moemesh.engine.model_runner import bind_kv_caches, measure_cache_budget
 from moemesh.engine.spec.proposer import DraftProposal, TargetHiddenStates
 
 _BLOCK_SIZE = 16
@@ -80,9 +80,7 @@ class MtpProposer:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens  # per catch-up forward (whole requests)
         self.max_len = mtp.cfg.max_position
-        for attn in mtp.attention_layers():
-            shapes = attn.kv_cache_shape(num_blocks, block_size)
-            attn.bind_kv_cache([torch.zeros(s, dtype=DTYPES[dtype], device=self.device) for s in shapes])
+        bind_kv_caches(mtp, num_blocks, block_size, DTYPES[dtype], self.device)
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self.states: dict[str, _MtpState] = {}
 
