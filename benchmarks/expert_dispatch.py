@@ -2,7 +2,8 @@
 the engine with its routed experts in-process vs on 1, 2 and 4 expert worker processes, for each
 expert transport, and the bytes moved per token.
 
-    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--transports grpc grpc-stream] [--requests 32]
+    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--transports grpc grpc-stream torch-dist]
+                                         [--overlap off on] [--requests 32]
 
 Builds a random Qwen3-MoE checkpoint with transformers (default hidden 1024, 64 experts of 256,
 top-8, 2 MoE layers; a decode batch of 32 tokens), then runs the same greedy batch through the
@@ -13,7 +14,10 @@ decodes; "MoE" = the part of a step spent in the expert executor (all MoE layers
 "overhead ms/layer" = (remote MoE - the slowest worker's expert compute of each layer, as the
 workers report it in `compute_s`) / MoE layers: what dispatch costs per layer beyond computing the
 experts (grouping, serialization, transport, the worker's gRPC/asyncio path, combine); "vs local"
-= (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative); "RPC floor" = median round trip of an empty unary
+= (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative);
+"x local tok/s" = this row's tokens/s over the local row's. With ping-pong overlap on, a MoE
+layer's remote wait overlaps the other micro-batch's attention, so the per-layer columns are
+left out ("-"): step time and tokens/s are what overlap changes. "RPC floor" = median round trip of an empty unary
 RunExperts call (the fixed cost each layer pays per worker, in parallel across workers);
 "waiting" = the part of MoE spent blocked on replies (expert compute + transport + the worker's
 gRPC/asyncio overhead), "dispatcher CPU" = the rest (grouping, serialization, combine);
@@ -27,6 +31,7 @@ to a function (llm, remote executor, run result) -> cell text, evaluated for eve
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -83,7 +88,8 @@ class WaitTimed:
 
 
 class Timed:
-    """Wraps an executor's forward to add up the seconds spent in it."""
+    """Wraps an executor to add up the seconds the model's thread spends in it (forward, or
+    submit + wait under ping-pong overlap, where it excludes the other micro-batch's attention)."""
 
     def __init__(self, executor):
         self.executor, self.seconds = executor, 0.0
@@ -91,11 +97,20 @@ class Timed:
     def __getattr__(self, name):
         return getattr(self.executor, name)
 
-    def forward(self, *a):
+    def _timed(self, fn, *a):
         start = time.perf_counter()
-        out = self.executor.forward(*a)
+        out = fn(*a)
         self.seconds += time.perf_counter() - start
         return out
+
+    def forward(self, *a):
+        return self._timed(self.executor.forward, *a)
+
+    def submit(self, *a):
+        return self._timed(self.executor.submit, *a)
+
+    def wait(self, handle):
+        return self._timed(self.executor.wait, handle)
 
 
 EXTRA_COLUMNS: dict = {}  # column name -> fn(llm, remote executor, run result tuple) -> str
@@ -147,6 +162,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    p.add_argument(
+        "--overlap",
+        nargs="+",
+        default=["off", "on"],
+        choices=["off", "on"],
+        help="ping-pong micro-batch overlap of the remote rows",
+    )
     p.add_argument("--requests", type=int, default=32, help="the decode batch (tokens per step)")
     p.add_argument("--prompt-tokens", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=24)
@@ -168,10 +190,10 @@ def main() -> None:
         model = llm.engine.model
         local = model.moe_runtime.executor
         model.set_expert_executor(Timed(local))
-        expected, step, local_moe, _, tokens, _ = run(llm, prompts, args.new_tokens)
+        expected, local_step, local_moe, _, tokens, _ = run(llm, prompts, args.new_tokens)
         num_moe_layers = len(model.moe_layer_ids)
-        rows.append(["local", "-", f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{local_moe * 1e3:.2f}", "-", "-", "-",
-                     "-", "-", "0", "yes", *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
+        rows.append(["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
+                     f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes", *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
         for num_workers in args.workers:
             spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
                                num_threads=args.threads, log_dir=tmp)  # fmt: skip
@@ -187,29 +209,33 @@ def main() -> None:
                 client.close()
                 endpoints = {s.name: s.grpc_endpoint for s in cluster.services.values()}
                 floor = rpc_floor(next(iter(endpoints.values())), placement.version)
-                for kind in args.transports:
+                for kind, overlap in itertools.product(args.transports, args.overlap):
                     waits = WaitTimed(make_transport(kind, endpoints))
                     remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
                     model.set_expert_executor(Timed(remote))
+                    llm.engine.runner.micro_batch_overlap = overlap == "on"
                     result = run(llm, prompts, args.new_tokens, waits, remote)
                     outputs, step, moe, wait, tokens = result[:5]
                     moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(prompts, args))
                     overhead = result[5] / num_moe_layers
                     versus_local = (moe - local_moe) / num_moe_layers
-                    rows.append([f"remote x{num_workers}", kind, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
-                                 f"{moe * 1e3:.2f}", f"{overhead * 1e3:.2f}", f"{versus_local * 1e3:+.2f}", f"{wait * 1e3:.2f}",
-                                 f"{(moe - wait) * 1e3:.2f}", f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
+                    serial = overlap == "off"  # the per-layer columns mean something only without overlap
+                    ms = lambda v, fmt=".2f": f"{v * 1e3:{fmt}}" if serial else "-"  # noqa: E731
+                    rows.append([f"remote x{num_workers}", kind, overlap, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
+                                 f"{local_step / step:.2f}", ms(moe), ms(overhead), ms(versus_local, "+.2f"),
+                                 ms(wait), ms(moe - wait), f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
                                  "yes" if outputs == expected else "NO",
                                  *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()]])  # fmt: skip
                     remote.close()
+                llm.engine.runner.micro_batch_overlap = None
             finally:
                 cluster.stop()
         model.set_expert_executor(local)
     print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
           f"{num_moe_layers} MoE layers, float32; decode batch {args.requests} x {args.new_tokens} new tokens; "
           f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
-    print_table(["experts", "transport", "step ms", "tokens/s", "MoE ms/step", "overhead ms/layer", "vs local",
-                 "waiting",
+    print_table(["experts", "transport", "overlap", "step ms", "tokens/s", "x local tok/s", "MoE ms/step",
+                 "overhead ms/layer", "vs local ms/layer", "waiting",
                  "dispatcher CPU", "RPC floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
 
 

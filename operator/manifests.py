@@ -98,6 +98,7 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
             role: f"{name}-{role}.{namespace}.svc:{GRPC_PORT}" for role in ("router", "prefill", "decode", "expert")
         },
         "expert_worker_ids": expert_worker_ids(name, spec.roles["expert"].replicas),
+        "expert_transport": spec.expert_transport,
     }
     if spec.otlp_endpoint:
         settings["otlp_endpoint"] = spec.otlp_endpoint

@@ -22,6 +22,10 @@ ROLES = ("router", "prefill", "decode", "expert")
 POD_FIELDS = ("runtimeClassName", "affinity", "topologySpreadConstraints", "priorityClassName")
 
 
+# the workers' --expert-transport choices (services/worker/settings.py EXPERT_TRANSPORTS; a test keeps them equal)
+EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
+
+
 class SpecError(ValueError):
     """The custom resource cannot be served as written; the message says what to fix."""
 
@@ -93,6 +97,7 @@ class MeshSpec:
     eplb: EplbSpec
     redis: RedisSpec
     otlp_endpoint: str | None = None  # spec.telemetry.otlpEndpoint: where every service exports traces
+    expert_transport: str = "grpc-stream"  # spec.expertTransport: the workers' expert data plane
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets[*].name, on every pod
 
     def policy_for(self, role: str) -> ScalingPolicy:
@@ -150,6 +155,13 @@ def _section(spec: dict[str, Any], key: str, path: str) -> dict[str, Any]:
     value = spec.get(key) or {}
     if not isinstance(value, dict):
         raise SpecError(f"{path}.{key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _expert_transport(spec: dict[str, Any]) -> str:
+    value = spec.get("expertTransport", "grpc-stream")
+    if value not in EXPERT_TRANSPORTS:
+        raise SpecError(f"spec.expertTransport must be one of {list(EXPERT_TRANSPORTS)}, got {value!r}")
     return value
 
 
@@ -270,6 +282,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
             password_secret_key=str(secret.get("key", "redis-password")),
         ),
         otlp_endpoint=_otlp_endpoint(_section(spec, "telemetry", "spec")),
+        expert_transport=_expert_transport(spec),
         image_pull_secrets=tuple(ref["name"] for ref in _named_list(spec, "imagePullSecrets", "spec")),
     )
     try:

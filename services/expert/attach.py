@@ -44,8 +44,9 @@ class NoRemoteExperts:
 
 
 class RemoteExperts:
-    def __init__(self, client: redis.Redis, mesh: str, settings: ExpertSettings):
-        self.client, self.mesh, self.settings = client, mesh, settings
+    def __init__(self, client: redis.Redis, mesh: str, settings: ExpertSettings, host: str = "127.0.0.1"):
+        """`host`: the worker's advertised address (the torch-dist transport binds there)."""
+        self.client, self.mesh, self.settings, self.host = client, mesh, settings, host
         self.store = PlacementStore(client, mesh)
         self.executor: RemoteExpertExecutor | None = None
         self._engine: AsyncEngine | None = None
@@ -73,7 +74,7 @@ class RemoteExperts:
             raise ModelLoadError(f"the active placement {placement.version} covers {remote.num_layers} MoE layers x "
                                  f"{remote.num_experts} experts; this model has {num_layers} x {num_experts}")  # fmt: skip
         self._endpoints = await asyncio.to_thread(self._read_endpoints)
-        transport = make_transport(self.settings.transport, self._endpoints)
+        transport = make_transport(self.settings.transport, self._endpoints, self.host, self.settings.dist_backend)
         executor = RemoteExpertExecutor(transport, remote, self.settings.call_timeout_s, self.settings.retry_down_s,
                                         on_error="record")  # fmt: skip
         await engine.call(lambda e: e.model.set_expert_executor(executor))

@@ -4,8 +4,9 @@
 groups of slots this worker owns holding the named experts, row ids in range, entry weights) and
 returns the compute inputs; `run_call` computes them: with entry weights the worker combines its
 own experts (one float32 partial [num_tokens, hidden] back instead of one row per entry).
-`RunExperts` (unary) and `RunExpertsStream` (one long-lived bidirectional call per attention
-worker, requests matched to responses by sequence id) share that path. The servicer runs the compute on one dedicated thread
+`RunExperts` (unary), `RunExpertsStream` (one long-lived bidirectional call per attention
+worker, requests matched to responses by sequence id) and the torch-dist data plane
+(`OpenDataPlane` here, the group's serving thread in dist_server.py) share that path. The servicer runs the compute on one dedicated thread
 (torch uses its intra-op threads inside it), so health checks and status calls stay responsive,
 and counts each call in flight per version (a version is released only when none is).
 """
@@ -133,6 +134,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.window_counts = np.zeros((store.shape.num_layers, store.shape.num_experts), dtype=np.int64)
         self.total_counts = np.zeros_like(self.window_counts)  # since start
         self.num_in_flight = 0
+        self.data_plane = None  # dist_server.DistDataPlane of the torch-dist transport, set by the worker
         self._closing = asyncio.Event()
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
@@ -157,14 +159,28 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
                 request = read.result()
                 if request is grpc.aio.EOF:
                     return
-                try:
-                    reply = await self._serve(request)
-                except CallError as e:
-                    reply = expert_pb2.RunExpertsResponse(error_code=e.code.name, error=str(e))
-                reply.sequence_id = request.sequence_id
-                await context.write(reply)
+                await context.write(await self.answer(request))
         finally:
             closing.cancel()
+
+    async def answer(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+        """The reply of a data-plane stream (grpc-stream, torch-dist): a refused request is answered
+        with its error code, and the reply carries the request's sequence id."""
+        try:
+            reply = await self._serve(request)
+        except CallError as e:
+            reply = expert_pb2.RunExpertsResponse(error_code=e.code.name, error=str(e))
+        reply.sequence_id = request.sequence_id
+        return reply
+
+    async def OpenDataPlane(self, request: expert_pb2.OpenDataPlaneRequest, context: grpc.aio.ServicerContext):
+        if self._closing.is_set() or self.data_plane is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"expert worker {self.store.worker_id} is stopping")
+        try:
+            port = await asyncio.to_thread(self.data_plane.open, request.session, request.backend)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return expert_pb2.OpenDataPlaneResponse(store_port=port)
 
     def stop_streams(self) -> None:
         """Caller: the worker at shutdown, before `server.stop(grace)`: open streams end after their

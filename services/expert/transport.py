@@ -14,7 +14,9 @@ Implementations (`make_transport`, selected by `--expert-transport`):
 - `grpc`: `GrpcExpertTransport` here, one unary RunExperts call per request (sync channels, calls
   as futures: no event loop on the model's thread);
 - `grpc-stream` (default): `transport_grpc_stream.GrpcStreamExpertTransport`, one long-lived
-  bidirectional RunExpertsStream call per expert worker, requests matched to replies by sequence id.
+  bidirectional RunExpertsStream call per expert worker, requests matched to replies by sequence id;
+- `torch-dist`: `transport_dist.DistExpertTransport`, a two-rank torch.distributed group per expert
+  worker (gloo on CPU, nccl on GPU), formed through the OpenDataPlane RPC.
 Every implementation fails fast on a dead peer (no wait-for-ready) and after `timeout_s` on a
 hung one, raising `ExpertCallError` from `result()`.
 """
@@ -30,7 +32,7 @@ import grpc
 from moemesh.common.grpc_util import CHANNEL_OPTIONS
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
-TRANSPORTS = ("grpc", "grpc-stream")
+TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
 
 
 class ExpertCallError(Exception):
@@ -105,12 +107,18 @@ class GrpcExpertTransport(ExpertTransport):
             channel.close()
 
 
-def make_transport(kind: str, endpoints: Mapping[str, str]) -> ExpertTransport:
-    """The transport `--expert-transport` names."""
+def make_transport(kind: str, endpoints: Mapping[str, str], host: str = "127.0.0.1",
+                   dist_backend: str = "gloo") -> ExpertTransport:  # fmt: skip
+    """The transport `--expert-transport` names. `host`: this worker's advertised address (the
+    torch-dist groups bind there); `dist_backend`: torch-dist's backend."""
     if kind == "grpc":
         return GrpcExpertTransport(endpoints)
     if kind == "grpc-stream":
         from moemesh.expert.transport_grpc_stream import GrpcStreamExpertTransport
 
         return GrpcStreamExpertTransport(endpoints)
+    if kind == "torch-dist":
+        from moemesh.expert.transport_dist import DistExpertTransport
+
+        return DistExpertTransport(endpoints, dist_backend, host)
     raise ValueError(f"expert transport must be one of {TRANSPORTS}, got {kind!r}")

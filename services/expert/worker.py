@@ -35,6 +35,7 @@ from moemesh.common.placement import PlacementError, PlacementStore
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader import default_model_path, open_checkpoint
 from moemesh.engine.loader.build import DTYPES
+from moemesh.expert.dist_server import DistDataPlane
 from moemesh.expert.replicas import ReplicaStore
 from moemesh.expert.servicer import ExpertServicer
 from moemesh.expert.weights import MoEShape, read_expert_weights, read_moe_shape
@@ -72,6 +73,8 @@ class ExpertWorker:
         self.health = HealthReporter([expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_name])
         server, port = create_server(s.host, s.grpc_port, self.health)
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(self.servicer, server)
+        self.servicer.data_plane = DistDataPlane(s.advertise_host, s.worker_id, self.servicer.answer,
+                                                 asyncio.get_running_loop())  # fmt: skip
         await self.health.set_serving(False)
         await server.start()
         metrics_server = None
@@ -196,6 +199,7 @@ class ExpertWorker:
         except redis.RedisError:
             pass
         self.servicer.stop_streams()
+        self.servicer.data_plane.close()
         await server.stop(s.shutdown_grace_s)
         await self.health.shutdown()
         self.servicer.close()

@@ -72,8 +72,11 @@ class Worker:
         self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
         self._redis_ok = True
         self._tasks: list[asyncio.Task] = []
-        self.experts = RemoteExperts(self.redis, settings.mesh.mesh, settings.expert) if settings.expert.remote \
-            else NoRemoteExperts()  # fmt: skip
+        self.experts = (
+            RemoteExperts(self.redis, settings.mesh.mesh, settings.expert, settings.advertise_host)
+            if settings.expert.remote
+            else NoRemoteExperts()
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings

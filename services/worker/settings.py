@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
 
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
-EXPERT_TRANSPORTS = ("grpc", "grpc-stream")  # = moemesh.expert.transport.TRANSPORTS (no torch import here)
+# = moemesh.expert.transport.TRANSPORTS (no torch import here)
+EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_SCHEDULING = ("fixed", "confidence")
 MICRO_BATCH_OVERLAP = {"auto": None, "on": True, "off": False}  # --micro-batch-overlap -> ModelConfig
@@ -107,10 +108,12 @@ class ExpertSettings:
     load_window_s: float = 10.0  # expert worker: telemetry window of token counts
     release_grace_s: float = 2.0  # expert worker: keep a superseded version this long after its last call
     transport: str = "grpc-stream"  # prefill/decode: the expert data plane (expert/transport.py TRANSPORTS)
+    dist_backend: str = "gloo"  # prefill/decode with the torch-dist transport: gloo (CPU tensors) or nccl
 
     def __post_init__(self):
         check(self.transport in EXPERT_TRANSPORTS,
               f"expert transport must be one of {EXPERT_TRANSPORTS}, got {self.transport!r}")  # fmt: skip
+        check(self.dist_backend in ("gloo", "nccl"), f"dist backend must be gloo or nccl, got {self.dist_backend!r}")
         for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
             check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
@@ -194,7 +197,8 @@ def expert_settings(args, config: dict) -> ExpertSettings:
         placement_poll_s=args.placement_poll,
         load_window_s=args.expert_load_window,
         release_grace_s=args.replica_release_grace,
-        transport=args.expert_transport,
+        transport=pick(args.expert_transport, config.get("expert_transport"), ExpertSettings.transport),
+        dist_backend=args.expert_dist_backend,
     )
 
 
@@ -235,10 +239,18 @@ def add_worker_arguments(parser) -> None:
     )
     expert.add_argument(
         "--expert-transport",
-        default=ExpertSettings.transport,
+        default=None,
         choices=EXPERT_TRANSPORTS,
-        help="prefill/decode: the expert data plane: one unary gRPC call per layer and worker, or "
-        "a persistent bidirectional gRPC stream per expert worker (default)",
+        help="prefill/decode: the expert data plane: one unary gRPC call per layer and worker, "
+        "a persistent bidirectional gRPC stream per expert worker (default), or a two-rank "
+        "torch.distributed group per expert worker (torch-dist); default: the config file's "
+        "expert_transport, else grpc-stream",
+    )
+    expert.add_argument(
+        "--expert-dist-backend",
+        default=ExpertSettings.dist_backend,
+        choices=("gloo", "nccl"),
+        help="prefill/decode with --expert-transport torch-dist: the torch.distributed backend",
     )
     expert.add_argument(
         "--expert-timeout",

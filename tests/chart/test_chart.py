@@ -255,6 +255,31 @@ def test_an_otlp_endpoint_reaches_every_service_through_the_mesh_config(chart):
         parse_spec({**SAMPLE["spec"], "telemetry": {"otlpEndpoint": "two words"}}, default_image="unused")
 
 
+def test_the_expert_transport_reaches_the_workers_and_torch_dist_opens_worker_to_worker_ports(chart, crd):
+    from moemesh.operator.spec import EXPERT_TRANSPORTS, SpecError
+    from moemesh.worker.settings import EXPERT_TRANSPORTS as WORKER_TRANSPORTS
+
+    assert EXPERT_TRANSPORTS == WORKER_TRANSPORTS
+    assert mesh_schema(crd)["properties"]["spec"]["properties"]["expertTransport"]["enum"] == list(EXPERT_TRANSPORTS)
+    for transport in EXPERT_TRANSPORTS:
+        docs = render(chart, {"mesh": {"expertTransport": transport}})
+        for doc in docs:
+            if doc["kind"] not in ("InferenceMesh", "CustomResourceDefinition"):
+                kubernetes_validate.validate(doc, "1.30", strict=True)
+        [mesh] = by_kind(docs, "InferenceMesh")
+        assert mesh["spec"]["expertTransport"] == transport
+        validate_cr(crd, mesh)
+        config = json.loads(manifests.config_map(parse_spec(mesh["spec"], default_image="unused"), "m", "ns", "uid",
+                                                 "redis://r")["data"]["mesh.json"])  # fmt: skip
+        assert config["expert_transport"] == transport
+        [workers] = [p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"].endswith("-workers")]
+        ephemeral = [r for r in workers["spec"]["ingress"] if {"protocol": "TCP", "port": 1024, "endPort": 65535}
+                     in r.get("ports", [])]  # fmt: skip
+        assert len(ephemeral) == (transport == "torch-dist"), transport
+    with pytest.raises(SpecError, match="spec.expertTransport must be one of"):
+        parse_spec({**SAMPLE["spec"], "expertTransport": "carrier-pigeon"}, default_image="unused")
+
+
 def test_no_default_mesh_renders_no_mesh_and_no_test_pod(chart):
     docs = render(chart, load_values("no-default-mesh"))
     assert by_kind(docs, "InferenceMesh") == [] and by_kind(docs, "Pod") == []

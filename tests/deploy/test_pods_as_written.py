@@ -1,6 +1,6 @@
 """The deployed path, run as written: the chart's default InferenceMesh (builtin SmolLM2) and a
-1 prefill + 2 decode + 2 expert mesh on a tiny random DeepSeek-V3 from a PersistentVolumeClaim,
-plus a mesh whose PVC path is wrong: its pod exits non-zero naming the source, and the mesh says so.
+1 prefill + 2 decode + 2 expert mesh on a tiny random DeepSeek-V3 from a PersistentVolumeClaim
+(expert data plane: torch-dist, gloo groups bound to each pod's own IP), plus a mesh whose PVC path is wrong: its pod exits non-zero naming the source, and the mesh says so.
 
 The operator's real handlers run in kopf.operator() on KMock; the children are read back from
 KMock; every pod template is started by the test kubelet exactly as written (command, args, env
@@ -182,7 +182,8 @@ def save_word_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def deepseek_mesh(docs: list[dict], name: str, claim: str, path: str) -> dict:
-    """The chart's mesh, renamed, on a tiny DeepSeek-V3 from a PVC: 1 prefill, 2 decode, 2 expert pods."""
+    """The chart's mesh, renamed, on a tiny DeepSeek-V3 from a PVC: 1 prefill, 2 decode, 2 expert pods,
+    the torch-dist expert transport."""
     mesh = json.loads(json.dumps(one(docs, "InferenceMesh")))
     mesh["metadata"].update(name=name, uid=f"uid-{name}", generation=1, resourceVersion="1")
     spec = mesh["spec"]
@@ -191,6 +192,7 @@ def deepseek_mesh(docs: list[dict], name: str, claim: str, path: str) -> dict:
     spec["prefill"] = {**spec["prefill"], "replicas": 1}
     spec["decode"] = {**spec["decode"], "replicas": 2, "minReplicas": 2}
     spec["expert"] = {"replicas": 2}
+    spec["expertTransport"] = "torch-dist"
     return mesh
 
 

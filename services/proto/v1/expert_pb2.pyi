@@ -58,6 +58,20 @@ class RunExpertsResponse(_message.Message):
     compute_s: float
     def __init__(self, outputs: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
+class OpenDataPlaneRequest(_message.Message):
+    __slots__ = ("session", "backend")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    backend: str
+    def __init__(self, session: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class OpenDataPlaneResponse(_message.Message):
+    __slots__ = ("store_port",)
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    store_port: int
+    def __init__(self, store_port: _Optional[int] = ...) -> None: ...
+
 class ExpertStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

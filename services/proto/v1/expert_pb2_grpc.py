@@ -44,6 +44,11 @@ class ExpertWorkerStub:
                 request_serializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.SerializeToString,
                 response_deserializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.FromString,
                 _registered_method=True)
+        self.OpenDataPlane = channel.unary_unary(
+                '/moemesh.v1.ExpertWorker/OpenDataPlane',
+                request_serializer=moemesh_dot_v1_dot_expert__pb2.OpenDataPlaneRequest.SerializeToString,
+                response_deserializer=moemesh_dot_v1_dot_expert__pb2.OpenDataPlaneResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/moemesh.v1.ExpertWorker/GetStatus',
                 request_serializer=moemesh_dot_v1_dot_expert__pb2.ExpertStatusRequest.SerializeToString,
@@ -72,6 +77,16 @@ class ExpertWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataPlane(self, request, context):
+        """The control half of the torch-dist transport: the expert worker joins a two-rank
+        torch.distributed group (rank 0 here, rank 1 the caller) named `session` on its TCPStore,
+        then serves serialized RunExpertsRequests on it until the caller closes the group.
+        Errors: INVALID_ARGUMENT (empty or reused session, unknown backend), UNAVAILABLE (stopping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Model shape, loaded placement versions, hosted replicas and their token counters.
         """
@@ -91,6 +106,11 @@ def add_ExpertWorkerServicer_to_server(servicer, server):
                     servicer.RunExpertsStream,
                     request_deserializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.FromString,
                     response_serializer=moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.SerializeToString,
+            ),
+            'OpenDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataPlane,
+                    request_deserializer=moemesh_dot_v1_dot_expert__pb2.OpenDataPlaneRequest.FromString,
+                    response_serializer=moemesh_dot_v1_dot_expert__pb2.OpenDataPlaneResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -152,6 +172,33 @@ class ExpertWorker:
             '/moemesh.v1.ExpertWorker/RunExpertsStream',
             moemesh_dot_v1_dot_expert__pb2.RunExpertsRequest.SerializeToString,
             moemesh_dot_v1_dot_expert__pb2.RunExpertsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moemesh.v1.ExpertWorker/OpenDataPlane',
+            moemesh_dot_v1_dot_expert__pb2.OpenDataPlaneRequest.SerializeToString,
+            moemesh_dot_v1_dot_expert__pb2.OpenDataPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,6 @@
-"""A local cluster with three expert workers serving a tiny random Qwen3-MoE model: outputs equal
+"""A local cluster with three expert workers serving a tiny random Qwen3-MoE model, its data plane
+the torch-dist transport (gloo groups; test_transports.py runs every transport on DeepSeek-V3):
+outputs equal
 the in-process engine (local experts) and Hugging Face; redundant replicas split a hot expert's
 tokens; three live rebalances under load fail nothing and release old replicas; bad placements
 are rejected; a killed expert worker fails requests fast (or not at all when every expert has a
@@ -46,7 +48,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster(redis_server, qwen3, tmp_path_factory):
-    with expert_cluster(redis_server.url, MESH, tmp_path_factory.mktemp("expert-qwen"), qwen3[0], 3) as cluster:
+    with expert_cluster(redis_server.url, MESH, tmp_path_factory.mktemp("expert-qwen"), qwen3[0], 3,
+                        transport="torch-dist") as cluster:  # fmt: skip
         yield cluster
 
 

@@ -20,8 +20,8 @@ SPEC = {
 }
 
 
-def settings_from_manifests(role: str, tmp_path, pod_name: str):
-    spec = parse_spec(SPEC, "img")
+def settings_from_manifests(role: str, tmp_path, pod_name: str, **extra):
+    spec = parse_spec({**SPEC, **extra}, "img")
     config = tmp_path / "mesh.json"
     config.write_text(manifests.config_map(spec, "m", "ns", "uid", "redis://redis:6379/0")["data"]["mesh.json"])
     command = manifests.workload(spec, "m", "ns", "uid", role, 1, None)["spec"]["template"]["spec"]["containers"][0]
@@ -38,6 +38,14 @@ def test_an_expert_pod_is_an_expert_worker_named_after_its_pod(tmp_path):
 
 def test_decode_pods_of_a_mesh_with_expert_workers_run_their_experts_remotely(tmp_path):
     assert settings_from_manifests("decode", tmp_path, "m-decode-abc").expert.remote is True
+
+
+@pytest.mark.parametrize("transport", ["grpc", "grpc-stream", "torch-dist"])
+def test_prefill_and_decode_pods_use_the_mesh_expert_transport(tmp_path, transport):
+    for role in ("prefill", "decode"):
+        settings = settings_from_manifests(role, tmp_path, f"m-{role}-abc", expertTransport=transport)
+        assert settings.expert.transport == transport and settings.advertise_host == "10.0.0.7"
+    assert settings_from_manifests("decode", tmp_path, "m-decode-abc").expert.transport == "grpc-stream"
 
 
 def test_expert_settings_reject_non_positive_timeouts():

@@ -1,0 +1,197 @@
+"""The ExpertTransport contract, for every transport (grpc, grpc-stream, torch-dist), against an
+in-process expert side: a real grpc.aio server answering RunExperts, RunExpertsStream and
+OpenDataPlane (through the real `DistDataPlane`: gloo groups over loopback). The replies come
+from a stand-in `answer` (2 * hidden_states), so the tests see the transport alone: replies
+matched to calls in any collection order, refused requests, a hung peer (deadline, then a fresh
+stream or group), a worker not in the registry or not listening. Whole meshes over each
+transport: test_transports.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+
+from moemesh.expert.dist_server import DistDataPlane
+from moemesh.expert.transport import ExpertCallError, make_transport
+from moemesh.expert.wire import tensor_from_proto, tensor_to_proto
+from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+
+
+class _Servicer(expert_pb2_grpc.ExpertWorkerServicer):
+    def __init__(self, plane_factory):
+        self.plane: DistDataPlane | None = None
+        self.opened: list[str] = []  # torch-dist sessions and grpc-stream streams, in order
+        self._plane_factory = plane_factory
+        self.hang = asyncio.Event()  # set: answers wait for `release`
+        self.release = asyncio.Event()
+
+    async def OpenDataPlane(self, request, context):
+        if self.plane is None:
+            self.plane = self._plane_factory(asyncio.get_running_loop())
+        try:
+            port = await asyncio.to_thread(self.plane.open, request.session, request.backend)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.opened.append(request.session)
+        return expert_pb2.OpenDataPlaneResponse(store_port=port)
+
+    async def RunExperts(self, request, context):
+        reply = await self.answer(request)
+        if reply.error_code:
+            await context.abort(grpc.StatusCode[reply.error_code], reply.error)
+        return reply
+
+    async def RunExpertsStream(self, requests, context):
+        self.opened.append("stream")
+        async for request in requests:
+            yield await self.answer(request)
+
+    async def answer(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+        if self.hang.is_set():
+            await self.release.wait()
+        if request.layer < 0:
+            return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code="INVALID_ARGUMENT",
+                                                 error=f"layer {request.layer}")  # fmt: skip
+        x = tensor_from_proto(request.hidden_states)
+        return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, outputs=tensor_to_proto(2 * x))
+
+
+@pytest.fixture
+def expert_side():
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict = {}
+
+    async def serve():
+        servicer = _Servicer(lambda lp: DistDataPlane("127.0.0.1", "expert-0", servicer.answer, lp))
+        server = grpc.aio.server()
+        expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
+        holder["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        holder.update(servicer=servicer, server=server, stop=asyncio.Event())
+        started.set()
+        await holder["stop"].wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(60), "the in-process expert server did not start"
+    yield holder["servicer"], f"127.0.0.1:{holder['port']}", loop
+    loop.call_soon_threadsafe(holder["servicer"].release.set)
+    loop.call_soon_threadsafe(holder["stop"].set)
+    thread.join(60)
+
+
+def request(layer: int, rows: int, seed: int) -> expert_pb2.RunExpertsRequest:
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed))
+    return expert_pb2.RunExpertsRequest(layer=layer, hidden_states=tensor_to_proto(x))
+
+
+TRANSPORTS = ["grpc", "grpc-stream", "torch-dist"]
+KEEPS_A_CONNECTION = {"grpc-stream", "torch-dist"}  # one stream / group per expert worker
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_replies_reach_their_calls_in_any_collection_order(expert_side, kind):
+    servicer, endpoint, _ = expert_side
+    transport = make_transport(kind, {"expert-0": endpoint})
+    try:
+        requests = [request(0, rows, seed) for seed, rows in enumerate([3, 64, 1, 17])]
+        inputs = [tensor_from_proto(r.hidden_states) for r in requests]
+        calls = [transport.submit("expert-0", r, timeout_s=60) for r in requests]
+        for i in (2, 0, 3, 1):  # not the order sent
+            assert torch.equal(tensor_from_proto(calls[i].result().outputs), 2 * inputs[i])
+        assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)  # one stream / group carried them all
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_refused_request_raises_its_code_and_the_connection_stays_open(expert_side, kind):
+    servicer, endpoint, _ = expert_side
+    transport = make_transport(kind, {"expert-0": endpoint})
+    try:
+        with pytest.raises(ExpertCallError) as refused:
+            transport.submit("expert-0", request(-1, 2, 0), timeout_s=60).result()
+        assert refused.value.code == "INVALID_ARGUMENT" and "layer -1" in refused.value.details
+        assert transport.submit("expert-0", request(0, 2, 1), timeout_s=60).result().outputs.shape == [2, 16]
+        assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_hung_peer_misses_the_deadline_and_the_next_call_starts_afresh(expert_side, kind):
+    servicer, endpoint, loop = expert_side
+    transport = make_transport(kind, {"expert-0": endpoint})
+    try:
+        transport.submit("expert-0", request(0, 2, 0), timeout_s=60).result()
+        loop.call_soon_threadsafe(servicer.hang.set)
+        first, second = (transport.submit("expert-0", request(0, 2, s), timeout_s=0.5) for s in (1, 2))
+        with pytest.raises(ExpertCallError) as late:
+            first.result()
+        assert late.value.code == "DEADLINE_EXCEEDED"
+        with pytest.raises(ExpertCallError):  # the other call fails too (its stream / group, or its deadline)
+            second.result()
+        loop.call_soon_threadsafe(servicer.hang.clear)
+        loop.call_soon_threadsafe(servicer.release.set)
+        x = tensor_from_proto(request(0, 5, 3).hidden_states)
+        reply = transport.submit("expert-0", request(0, 5, 3), timeout_s=60).result()
+        assert torch.equal(tensor_from_proto(reply.outputs), 2 * x)
+        assert len(servicer.opened) == 2 * (kind in KEEPS_A_CONNECTION)
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_worker_not_in_the_registry_or_not_listening_is_unavailable_at_once(expert_side, kind):
+    _, endpoint, _ = expert_side
+    transport = make_transport(kind, {"expert-0": endpoint, "gone": "127.0.0.1:1"})
+    try:
+        for worker_id in ("nobody", "gone"):
+            with pytest.raises(ExpertCallError) as failed:
+                transport.submit(worker_id, request(0, 2, 0), timeout_s=60).result()
+            assert failed.value.code == "UNAVAILABLE"
+    finally:
+        transport.close()
+
+
+def test_open_data_plane_refuses_a_reused_session_or_an_unknown_backend(expert_side):
+    _, endpoint, _ = expert_side
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = expert_pb2_grpc.ExpertWorkerStub(channel)
+        stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session="taken", backend="gloo"), timeout=30)
+        cases = (("s", "mpi", "backend"), ("", "gloo", "session name"), ("taken", "gloo", "already open"))
+        for session, backend, message in cases:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session=session, backend=backend), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.details()
+
+
+def test_framing_carries_empty_and_multi_megabyte_messages_both_ways():
+    import datetime
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from moemesh.expert.dist_group import REPLY_TAGS, REQUEST_TAGS, Framing, pair_group
+
+    timeout = datetime.timedelta(seconds=30)
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    stores = [master, dist.TCPStore("127.0.0.1", master.port, None, False, timeout)]  # one client per rank
+    with ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(lambda rank: pair_group(dist.PrefixStore("t", stores[rank]), rank, "gloo", "127.0.0.1",
+                                                       timeout), (0, 1)))  # fmt: skip
+    expert, attention = Framing(groups[0], 1, torch.device("cpu")), Framing(groups[1], 0, torch.device("cpu"))
+    big = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for message in (b"", b"x", big.numpy().tobytes()):
+        attention.send(message, REQUEST_TAGS)
+        assert expert.recv(REQUEST_TAGS, timeout) == message
+        expert.send(message[::-1], REPLY_TAGS)
+        assert attention.recv(REPLY_TAGS, timeout) == message[::-1]
+        attention.reap()
+        expert.reap()
