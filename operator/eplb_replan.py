@@ -48,23 +48,19 @@ class Replan:
 
 def count_moves(old_phy2log: np.ndarray, new_phy2log: np.ndarray, layout: EplbLayout) -> int:
     """Replicas in ``new`` that their worker does not already hold in ``old`` (all layers)."""
-    num_layers = old_phy2log.shape[0]
-    worker = np.broadcast_to(layout.slot_worker, old_phy2log.shape)
-    base = (np.arange(num_layers)[:, None] * layout.num_workers + worker) * layout.num_experts
-    size = num_layers * layout.num_workers * layout.num_experts
-    old = np.bincount((base + old_phy2log).ravel(), minlength=size)
-    new = np.bincount((base + new_phy2log).ravel(), minlength=size)
-    return int(np.maximum(new - old, 0).sum())
+    return int(_layer_moves(old_phy2log, new_phy2log, layout).sum())
 
 
 def _layer_moves(old_phy2log: np.ndarray, new_phy2log: np.ndarray, layout: EplbLayout) -> np.ndarray:
-    """[num_layers] ``count_moves`` of each layer."""
-    num_layers = old_phy2log.shape[0]
-    base = (np.arange(num_layers)[:, None] * layout.num_workers + layout.slot_worker) * layout.num_experts
-    size = num_layers * layout.num_workers * layout.num_experts
-    old = np.bincount((base + old_phy2log).ravel(), minlength=size)
-    new = np.bincount((base + new_phy2log).ravel(), minlength=size)
-    return np.maximum(new - old, 0).reshape(num_layers, -1).sum(axis=1)
+    """[num_layers] ``count_moves`` of each layer: per worker, the multiset difference new - old
+    of its slots' experts (a worker's slots are compared pairwise: slots_per_worker is small)."""
+    num_layers, spw = old_phy2log.shape[0], layout.slots_per_worker
+    old = old_phy2log.reshape(num_layers, layout.num_workers, spw)
+    new = new_phy2log.reshape(num_layers, layout.num_workers, spw)
+    in_old = (new[..., :, None] == old[..., None, :]).sum(-1)  # [L, W, spw] copies the worker held before
+    earlier = np.tril(np.ones((spw, spw), dtype=bool), -1)  # [i, j]: j < i
+    rank = ((new[..., :, None] == new[..., None, :]) & earlier).sum(-1)  # earlier copies of the same expert
+    return (rank >= in_old).reshape(num_layers, -1).sum(axis=1)
 
 
 def _node_counts(phy2log: np.ndarray, num_nodes: int, num_experts: int) -> np.ndarray:

@@ -2,8 +2,8 @@
 serving thread per two-rank group.
 
 Callers: `ExpertServicer.OpenDataPlane` calls `open(session, backend)` (on a worker thread) when
-an attention worker wants a group; `answer` is the servicer's reply path (parse, compute on the
-compute thread, count), run on the worker's event loop; the worker calls `close()` at shutdown.
+an attention worker wants a group; `answer` is the servicer's `answer_blocking` (parse, compute,
+count on the serving thread itself: no hop per request); the worker calls `close()` at shutdown.
 
 `open` starts the store on first use (an ephemeral port, returned to the caller, who reaches it at
 the gRPC endpoint's host) and a thread that joins the group as rank 0, then loops: receive a
@@ -13,11 +13,10 @@ request, answer it, send the reply. The thread ends when the peer closes the gro
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 from google.protobuf.message import DecodeError
@@ -42,9 +41,8 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)  # a peer that asked for a g
 
 class DistDataPlane:
     def __init__(self, host: str, worker_id: str,
-                 answer: Callable[[expert_pb2.RunExpertsRequest], Awaitable[expert_pb2.RunExpertsResponse]],
-                 loop: asyncio.AbstractEventLoop):  # fmt: skip
-        self.host, self.worker_id, self._answer, self._loop = host, worker_id, answer, loop
+                 answer: Callable[[expert_pb2.RunExpertsRequest], expert_pb2.RunExpertsResponse]):  # fmt: skip
+        self.host, self.worker_id, self._answer = host, worker_id, answer
         self._store: dist.TCPStore | None = None
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
@@ -101,10 +99,7 @@ class DistDataPlane:
         except DecodeError as e:
             return expert_pb2.RunExpertsResponse(error_code="INVALID_ARGUMENT", error=f"not a RunExpertsRequest: {e}")
         try:
-            return asyncio.run_coroutine_threadsafe(self._answer(request), self._loop).result()
-        except RuntimeError as e:  # the loop is closed: the worker is stopping
-            return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code="UNAVAILABLE",
-                                                 error=f"expert worker {self.worker_id} is stopping ({e})")  # fmt: skip
+            return self._answer(request)
         except Exception as e:  # a bug: answer it as gRPC would (INTERNAL) and keep the group
             logger.exception("torch-dist request %d failed", request.sequence_id)
             return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code="INTERNAL", error=str(e))

@@ -6,14 +6,17 @@ returns the compute inputs; `run_call` computes them: with entry weights the wor
 own experts (one float32 partial [num_tokens, hidden] back instead of one row per entry).
 `RunExperts` (unary), `RunExpertsStream` (one long-lived bidirectional call per attention
 worker, requests matched to responses by sequence id) and the torch-dist data plane
-(`OpenDataPlane` here, the group's serving thread in dist_server.py) share that path. The servicer runs the compute on one dedicated thread
-(torch uses its intra-op threads inside it), so health checks and status calls stay responsive,
-and counts each call in flight per version (a version is released only when none is).
+(`OpenDataPlane` here; each group's serving thread in dist_server.py calls `answer_blocking`)
+share that path. The gRPC calls compute on one dedicated thread (torch uses its intra-op threads
+inside it), so health checks and status calls stay responsive; a torch-dist group computes on its
+own serving thread, one computation at a time with the others (a lock). Each call in flight is
+counted per version (a version is released only when none is).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +137,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.window_counts = np.zeros((store.shape.num_layers, store.shape.num_experts), dtype=np.int64)
         self.total_counts = np.zeros_like(self.window_counts)  # since start
         self.num_in_flight = 0
+        self._counts_lock = threading.Lock()  # counters and in-flight: the event loop and torch-dist threads
+        self._compute_lock = threading.Lock()  # one computation at a time, whichever thread runs it
         self.data_plane = None  # dist_server.DistDataPlane of the torch-dist transport, set by the worker
         self._closing = asyncio.Event()
 
@@ -190,35 +195,69 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
     async def _serve(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
         """Raises CallError for a request this worker refuses."""
         started = time.perf_counter()
+        call = self._begin(request)
+        reply = None
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(self._compute, self._run, call)
+            return reply
+        finally:
+            self._finish(call, started, ok=reply is not None)
+
+    def answer_blocking(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+        """`answer` on the caller's thread (the torch-dist groups' serving threads): no hop to the
+        event loop or the compute thread; computes one at a time with them (the compute lock)."""
+        started = time.perf_counter()
+        try:
+            call = self._begin(request)
+        except CallError as e:
+            return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code=e.code.name, error=str(e))
+        reply = None
+        try:
+            reply = self._run(call)
+        finally:
+            self._finish(call, started, ok=reply is not None)
+        reply.sequence_id = request.sequence_id
+        return reply
+
+    def _begin(self, request: expert_pb2.RunExpertsRequest) -> ParsedCall:
         try:
             call = parse_call(self.store, request)
         except CallError as e:
             if self.metrics is not None:
                 self.metrics.call(e.code.name)
             raise
+        with self._counts_lock:
+            call.hosted.num_in_flight += 1
+            self.num_in_flight += 1
+        return call
+
+    def _run(self, call: ParsedCall) -> expert_pb2.RunExpertsResponse:
+        with self._compute_lock:
+            return run_call(call)
+
+    def _finish(self, call: ParsedCall, started: float, ok: bool) -> None:
+        """The call left the worker; its tokens count when it computed (`ok`)."""
         hosted = call.hosted
-        hosted.num_in_flight += 1
-        self.num_in_flight += 1
-        try:
-            reply = await asyncio.get_running_loop().run_in_executor(self._compute, run_call, call)
-        finally:
+        experts = hosted.placement.phy2log[call.layer, hosted.slots]  # [num_local]
+        with self._counts_lock:
             hosted.num_in_flight -= 1
             self.num_in_flight -= 1
             hosted.last_call_at = self._clock()
-        hosted.token_counts[call.layer] += call.local_counts
-        experts = hosted.placement.phy2log[call.layer, hosted.slots]  # [num_local]
-        np.add.at(self.window_counts[call.layer], experts, call.local_counts)
-        np.add.at(self.total_counts[call.layer], experts, call.local_counts)
+            if not ok:
+                return
+            hosted.token_counts[call.layer] += call.local_counts
+            np.add.at(self.window_counts[call.layer], experts, call.local_counts)
+            np.add.at(self.total_counts[call.layer], experts, call.local_counts)
         if self.metrics is not None:
             self.metrics.call("OK", time.perf_counter() - started)
-        return reply
 
     async def GetStatus(self, request, context) -> expert_pb2.ExpertStatus:
         return self._status()
 
     def take_window(self) -> np.ndarray:
         """Counts since the last call ([num_layers, num_experts]), reset (the telemetry window)."""
-        counts, self.window_counts = self.window_counts, np.zeros_like(self.window_counts)
+        with self._counts_lock:
+            counts, self.window_counts = self.window_counts, np.zeros_like(self.window_counts)
         return counts
 
     def close(self) -> None:

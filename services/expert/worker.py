@@ -73,8 +73,7 @@ class ExpertWorker:
         self.health = HealthReporter([expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_name])
         server, port = create_server(s.host, s.grpc_port, self.health)
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(self.servicer, server)
-        self.servicer.data_plane = DistDataPlane(s.advertise_host, s.worker_id, self.servicer.answer,
-                                                 asyncio.get_running_loop())  # fmt: skip
+        self.servicer.data_plane = DistDataPlane(s.advertise_host, s.worker_id, self.servicer.answer_blocking)
         await self.health.set_serving(False)
         await server.start()
         metrics_server = None

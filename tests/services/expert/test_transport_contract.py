@@ -31,7 +31,7 @@ class _Servicer(expert_pb2_grpc.ExpertWorkerServicer):
 
     async def OpenDataPlane(self, request, context):
         if self.plane is None:
-            self.plane = self._plane_factory(asyncio.get_running_loop())
+            self.plane = self._plane_factory()
         try:
             port = await asyncio.to_thread(self.plane.open, request.session, request.backend)
         except ValueError as e:
@@ -67,7 +67,10 @@ def expert_side():
     holder: dict = {}
 
     async def serve():
-        servicer = _Servicer(lambda lp: DistDataPlane("127.0.0.1", "expert-0", servicer.answer, lp))
+        def answer_blocking(request):  # the servicer's blocking path: on the group's thread
+            return asyncio.run_coroutine_threadsafe(servicer.answer(request), loop).result()
+
+        servicer = _Servicer(lambda: DistDataPlane("127.0.0.1", "expert-0", answer_blocking))
         server = grpc.aio.server()
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
         holder["port"] = server.add_insecure_port("127.0.0.1:0")
