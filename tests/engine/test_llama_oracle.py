@@ -10,7 +10,7 @@ from moemesh import LLM, SamplingParams
 
 from .oracle_helpers import max_rel_error, prefill_then_decode_logits
 
-MAX_NEW = 32
+MAX_NEW = 24
 PROMPTS = [
     "The quick brown fox",
     "def fibonacci(n):\n    ",

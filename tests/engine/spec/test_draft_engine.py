@@ -32,9 +32,10 @@ def test_draft_model_speculation_keeps_greedy_output_identical(smollm_path, tiny
     spec = SpecConfig(method="draft", draft_model=draft_path, scheduling=scheduling, num_speculative_tokens=4)
     llm = LLM(smollm_path, speculative=spec, show_progress=False)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    second = llm.generate(PROMPTS, GREEDY)  # prefix-cache hits, the draft's cache rolled back
-    assert [o.token_ids for o in second] == reference
-    assert sum(o.num_cached_tokens for o in second) > 0
+    if draft == "random":  # prefix-cache hits, the draft's cache rolled back after rejections every round
+        second = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in second] == reference
+        assert sum(o.num_cached_tokens for o in second) > 0
     stats, spec_stats = llm.engine.stats(), llm.engine.spec.stats
     assert spec_stats.num_draft_tokens > 0
     if draft == "smollm":  # the target drafting for itself: nearly every draft is accepted
