@@ -17,8 +17,9 @@ experts (grouping, serialization, transport, the worker's gRPC/asyncio path, com
 = (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative);
 "x local tok/s" = this row's tokens/s over the local row's. With ping-pong overlap on, a MoE
 layer's remote wait overlaps the other micro-batch's attention, so the per-layer columns are
-left out ("-"): step time and tokens/s are what overlap changes. "RPC floor" = median round trip of an empty unary
-RunExperts call (the fixed cost each layer pays per worker, in parallel across workers);
+left out ("-"): step time and tokens/s are what overlap changes. "floor" = median round trip of an
+empty request over that transport (the fixed cost each layer pays per worker, in parallel across
+workers);
 "waiting" = the part of MoE spent blocked on replies (expert compute + transport + the worker's
 gRPC/asyncio overhead), "dispatcher CPU" = the rest (grouping, serialization, combine);
 bytes/token = request + reply tensor payload per token over all MoE layers. Outputs are checked
@@ -38,7 +39,6 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-import grpc  # noqa: E402
 import torch  # noqa: E402
 from common import print_table  # noqa: E402
 
@@ -46,9 +46,9 @@ from moemesh import LLM, SamplingParams  # noqa: E402
 from moemesh.common.placement import PlacementStore  # noqa: E402
 from moemesh.common.redis_client import connect  # noqa: E402
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
-from moemesh.expert.transport import TRANSPORTS, make_transport  # noqa: E402
+from moemesh.expert.transport import TRANSPORTS, ExpertCallError, make_transport  # noqa: E402
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
-from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
+from moemesh.proto.v1 import expert_pb2  # noqa: E402
 
 
 def build_checkpoint(path: str, args) -> None:
@@ -142,19 +142,24 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | 
     return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts), overhead[mid]
 
 
-def rpc_floor(endpoint: str, version: int, repeats: int = 200) -> float:
-    request = expert_pb2.RunExpertsRequest(layer=0, placement_version=version,
-                                           hidden_states=expert_pb2.Tensor(dtype="float32", shape=[0, 8]))  # fmt: skip
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = expert_pb2_grpc.ExpertWorkerStub(channel)
-        times = []
+def transport_floor(kind: str, worker_id: str, endpoint: str, version: int, repeats: int = 200) -> float:
+    """Median round trip of an empty request over `kind` (refused after the placement lookup, as
+    its hidden width is wrong: still a full trip through the transport and the worker's parse)."""
+    transport = make_transport(kind, {worker_id: endpoint})
+    times = []
+    try:
         for _ in range(repeats):
+            request = expert_pb2.RunExpertsRequest(layer=0, placement_version=version,
+                                                   hidden_states=expert_pb2.Tensor(dtype="float32", shape=[0, 8]))  # fmt: skip
             start = time.perf_counter()
             try:
-                stub.RunExperts(request, timeout=5)
-            except grpc.RpcError:
-                pass  # hidden size mismatch is refused after the lookup: still a full round trip
+                transport.submit(worker_id, request, 5.0).result()
+            except ExpertCallError as e:
+                if e.code != "INVALID_ARGUMENT":
+                    raise
             times.append(time.perf_counter() - start)
+    finally:
+        transport.close()
     return sorted(times)[len(times) // 2]
 
 
@@ -208,7 +213,9 @@ def main() -> None:
                 placement = PlacementStore(client, spec.mesh).current()
                 client.close()
                 endpoints = {s.name: s.grpc_endpoint for s in cluster.services.values()}
-                floor = rpc_floor(next(iter(endpoints.values())), placement.version)
+                first = next(iter(endpoints))
+                floors = {kind: transport_floor(kind, first, endpoints[first], placement.version)
+                          for kind in args.transports}  # fmt: skip
                 for kind, overlap in itertools.product(args.transports, args.overlap):
                     waits = WaitTimed(make_transport(kind, endpoints))
                     remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
@@ -223,7 +230,7 @@ def main() -> None:
                     ms = lambda v, fmt=".2f": f"{v * 1e3:{fmt}}" if serial else "-"  # noqa: E731
                     rows.append([f"remote x{num_workers}", kind, overlap, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
                                  f"{local_step / step:.2f}", ms(moe), ms(overhead), ms(versus_local, "+.2f"),
-                                 ms(wait), ms(moe - wait), f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
+                                 ms(wait), ms(moe - wait), f"{floors[kind] * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
                                  "yes" if outputs == expected else "NO",
                                  *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()]])  # fmt: skip
                     remote.close()
@@ -236,7 +243,7 @@ def main() -> None:
           f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
     print_table(["experts", "transport", "overlap", "step ms", "tokens/s", "x local tok/s", "MoE ms/step",
                  "overhead ms/layer", "vs local ms/layer", "waiting",
-                 "dispatcher CPU", "RPC floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
+                 "dispatcher CPU", "floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
 
 
 def remote_tokens(prompts, args) -> int:

@@ -17,17 +17,26 @@ to nearest even (the GPU rounds), so interpreted bf16 results carry up to one ex
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the CPU serving path needs only torch
+# MOEMESH_TRITON=0: never import Triton (`moemesh serve` sets it for a worker on a CPU device,
+# which only runs the torch references; it saves Triton's import on every process start).
+if os.environ.get("MOEMESH_TRITON", "1") == "0":
     triton = None
     tl = None
     HAS_TRITON = False
+else:
+    try:
+        import triton
+        import triton.language as tl
+
+        HAS_TRITON = True
+    except ImportError:  # the CPU serving path needs only torch
+        triton = None
+        tl = None
+        HAS_TRITON = False
 
 _interpreted: dict = {}  # python function -> InterpretedFunction
 _compiled: dict = {}  # python function -> JITFunction

@@ -10,6 +10,7 @@ moemesh plan --model DIR --gpu-memory M   how many expert pods a model needs, KV
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -76,6 +77,8 @@ def _serve(args) -> int:
             return router_main(settings)
         settings = worker_settings(args)
         _configure_logging(settings.worker_id)
+        if not settings.engine.device.startswith("cuda"):  # the torch references only: skip Triton's import
+            os.environ.setdefault("MOEMESH_TRITON", "0")
         if settings.role == "expert":
             from moemesh.expert.worker import main as expert_main
 

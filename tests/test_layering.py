@@ -187,3 +187,27 @@ def test_the_operator_starts_without_importing_torch_or_the_engine(redis_port, t
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_each_checked_package_exists(package):
     assert any(owner(m) == package for m in modules()), package
+
+
+@pytest.mark.parametrize("device, imports_triton", [("cpu", False), ("cuda", True)])
+def test_a_cpu_worker_runs_the_engine_without_importing_triton(device, imports_triton):
+    """`moemesh serve` on a CPU device runs only the torch references, so it never pays Triton's
+    import; on a CUDA device the kernels need it. The worker's entry module is replaced by one that
+    imports the engine and reports what got loaded."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(f"""
+        import sys, types
+        fake = types.ModuleType("moemesh.worker.main")
+        def main(settings):
+            import moemesh.engine.llm_engine, moemesh.kernels.dispatch
+            print("triton" in sys.modules, moemesh.kernels.dispatch.HAS_TRITON)
+            return 0
+        fake.main = main
+        sys.modules["moemesh.worker.main"] = fake
+        from moemesh.cli import main as cli_main
+        sys.exit(cli_main(["serve", "--role", "decode", "--device", "{device}"]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "MOEMESH_TRITON"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(imports_triton)] * 2

@@ -1,9 +1,9 @@
-"""`moemesh up --experts 2 --model DIR` on a tiny random DeepSeek-V3 checkpoint (MLA + grouped
-routing + a shared expert) stored in block FP8 as the released checkpoints are: Redis, two expert
-workers with an even placement serving float8 experts, an aggregated worker using them and a
-router; greedy outputs equal the in-process engine with local experts and Hugging Face `generate`
-on the fp32 dequantization; Ctrl-C stops every process. (The bf16 DeepSeek-V3 through expert
-workers: test_transports.py.)"""
+"""`moemesh up --experts 2 --expert-transport torch-dist --model DIR` on a tiny random DeepSeek-V3
+checkpoint (MLA + grouped routing + a shared expert) stored in block FP8 as the released
+checkpoints are: Redis, two expert workers with an even placement serving float8 experts, an
+aggregated worker using them over gloo groups, and a router; greedy outputs equal the in-process
+engine with local experts and Hugging Face `generate` on the fp32 dequantization; Ctrl-C stops
+every process. (The bf16 DeepSeek-V3 through expert workers: test_transports.py.)"""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_moemesh_up_with_two_expert_workers_serves_fp8_deepseek_v3_like_local_ex
 ):
     path, hf = fp8_deepseek
     command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--experts", "2", "--model", path,
-               "--port", str(free_port()), "--kv-memory-gib", "0.02", "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
+               "--expert-transport", "torch-dist", "--port", str(free_port()), "--kv-memory-gib", "0.02",
+               "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         line = up.stdout.readline()
