@@ -23,20 +23,16 @@ import torch
 
 # MOEMESH_TRITON=0: never import Triton (`moemesh serve` sets it for a worker on a CPU device,
 # which only runs the torch references; it saves Triton's import on every process start).
-if os.environ.get("MOEMESH_TRITON", "1") == "0":
-    triton = None
-    tl = None
-    HAS_TRITON = False
-else:
+triton = tl = None
+HAS_TRITON = False
+if os.environ.get("MOEMESH_TRITON", "1") != "0":
     try:
         import triton
         import triton.language as tl
 
         HAS_TRITON = True
     except ImportError:  # the CPU serving path needs only torch
-        triton = None
-        tl = None
-        HAS_TRITON = False
+        pass
 
 _interpreted: dict = {}  # python function -> InterpretedFunction
 _compiled: dict = {}  # python function -> JITFunction

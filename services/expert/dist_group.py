@@ -24,6 +24,11 @@ REQUEST_TAGS, REPLY_TAGS = (0, 1), (2, 3)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the expert side waits for requests as long as the peer lives
 
 
+def first_line(e: Exception) -> str:
+    """A backend error's first line (gloo's messages carry a long hint after it)."""
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
 def device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 

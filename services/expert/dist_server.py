@@ -30,6 +30,7 @@ from moemesh.expert.dist_group import (
     REQUEST_TAGS,
     Framing,
     device_for,
+    first_line,
     pair_group,
 )
 from moemesh.proto.v1 import expert_pb2
@@ -46,7 +47,6 @@ class DistDataPlane:
         self._store: dist.TCPStore | None = None
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
-        self.num_groups = 0  # groups now serving (tests, status)
 
     def open(self, session: str, backend: str) -> int:
         """Start serving `session`; returns the store's port. ValueError for a bad request."""
@@ -70,27 +70,22 @@ class DistDataPlane:
         try:
             group = pair_group(store, EXPERT_RANK, backend, self.host, IDLE_TIMEOUT)
         except RuntimeError as e:
-            logger.warning("torch-dist session %s: the peer never joined (%s)", session[:8], str(e).splitlines()[0])
+            logger.warning("torch-dist session %s: the peer never joined (%s)", session[:8], first_line(e))
             return
         framing = Framing(group, ATTENTION_RANK, device_for(backend))
-        with self._lock:
-            self.num_groups += 1
         logger.info("torch-dist session %s (%s) open", session[:8], backend)
         try:
             while True:
                 try:
                     data = framing.recv(REQUEST_TAGS)
                 except RuntimeError as e:  # the peer closed the group or died
-                    logger.info("torch-dist session %s closed: %s", session[:8], str(e).splitlines()[0][:200])
+                    logger.info("torch-dist session %s closed: %s", session[:8], first_line(e))
                     return
                 reply = self._reply(data)
                 framing.send(reply.SerializeToString(), REPLY_TAGS)
                 framing.reap()
         except RuntimeError as e:
-            logger.info("torch-dist session %s closed while replying: %s", session[:8], str(e).splitlines()[0][:200])
-        finally:
-            with self._lock:
-                self.num_groups -= 1
+            logger.info("torch-dist session %s closed while replying: %s", session[:8], first_line(e))
 
     def _reply(self, data: bytes) -> expert_pb2.RunExpertsResponse:
         request = expert_pb2.RunExpertsRequest()

@@ -23,6 +23,7 @@ hung one, raising `ExpertCallError` from `result()`.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Protocol
@@ -79,6 +80,71 @@ class _GrpcCall:
             return self._future.result()
         except grpc.RpcError as e:
             raise ExpertCallError(self._worker_id, self._endpoint, e.code().name, e.details() or "") from None
+
+
+class Connection(Protocol):
+    """One open data-plane connection to one expert worker (a gRPC stream, a torch.distributed group)."""
+
+    worker_id: str
+    endpoint: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class PerWorkerTransport(ExpertTransport):
+    """The transports that keep one connection per expert worker: the registry's endpoints, one
+    gRPC channel per endpoint, and per worker its open connection, reopened on the next call once
+    it closed (peer died, timed out) or when the registry shows the worker at a new endpoint."""
+
+    def __init__(self, endpoints: Mapping[str, str] | None = None):
+        self._endpoints: dict[str, str] = dict(endpoints or {})  # worker id -> 'host:port'
+        self._channels: dict[str, grpc.Channel] = {}  # endpoint -> channel
+        self._connections: dict[str, Connection] = {}  # worker id -> its open connection
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def _open(self, channel: grpc.Channel, worker_id: str, endpoint: str) -> Connection:
+        """A new connection to `worker_id` (called under the lock); raises ExpertCallError."""
+
+    def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
+        with self._lock:
+            self._endpoints = {**self._endpoints, **endpoints}
+            moved = [c for w, c in self._connections.items() if self._endpoints.get(w) != c.endpoint]
+        for connection in moved:
+            self.drop(connection)
+
+    def _connection(self, worker_id: str) -> Connection:
+        """The worker's open connection, opened if needed; raises ExpertCallError."""
+        with self._lock:
+            connection = self._connections.get(worker_id)
+            if connection is not None and not connection.closed:
+                return connection
+            endpoint = self._endpoints.get(worker_id, "")
+            if not endpoint:
+                raise ExpertCallError(worker_id, "", "UNAVAILABLE", "not in the registry")
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            connection = self._connections[worker_id] = self._open(channel, worker_id, endpoint)
+            return connection
+
+    def drop(self, connection: Connection) -> None:
+        with self._lock:
+            if self._connections.get(connection.worker_id) is connection:
+                del self._connections[connection.worker_id]
+        connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            connections, self._connections = list(self._connections.values()), {}
+            channels, self._channels = list(self._channels.values()), {}
+        for connection in connections:
+            connection.close()
+        for channel in channels:
+            channel.close()
 
 
 class GrpcExpertTransport(ExpertTransport):

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 import grpc
 import torch.distributed as dist
 
-from moemesh.common.grpc_util import CHANNEL_OPTIONS
 from moemesh.expert.dist_group import (
     ATTENTION_RANK,
     EXPERT_RANK,
@@ -32,17 +31,14 @@ from moemesh.expert.dist_group import (
     REQUEST_TAGS,
     Framing,
     device_for,
+    first_line,
     pair_group,
 )
-from moemesh.expert.transport import ExpertCallError, ExpertTransport, FailedCall, PendingCall
+from moemesh.expert.transport import ExpertCallError, FailedCall, PendingCall, PerWorkerTransport
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
 OPEN_TIMEOUT_S = 10.0  # OpenDataPlane plus joining the group
 MAX_STASHED = 256  # replies kept for calls not yet collected (a forward that failed drops its other calls)
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
 
 
 class _Peer:
@@ -74,7 +70,7 @@ class _Peer:
             try:
                 self._framing.send(request.SerializeToString(), REQUEST_TAGS)
             except RuntimeError as e:
-                raise self._fail("UNAVAILABLE", _first_line(e)) from None
+                raise self._fail("UNAVAILABLE", first_line(e)) from None
             return sequence_id
 
     def collect(self, sequence_id: int, timeout_s: float) -> expert_pb2.RunExpertsResponse:
@@ -88,7 +84,7 @@ class _Peer:
                 except RuntimeError as e:
                     timed_out = "Timed out" in str(e)
                     raise self._fail("DEADLINE_EXCEEDED" if timed_out else "UNAVAILABLE",
-                                     f"no reply within {timeout_s} s" if timed_out else _first_line(e)) from None  # fmt: skip
+                                     f"no reply within {timeout_s} s" if timed_out else first_line(e)) from None  # fmt: skip
                 reply = expert_pb2.RunExpertsResponse()
                 reply.ParseFromString(data)
                 self._stash[reply.sequence_id] = reply
@@ -118,59 +114,23 @@ class _DistCall:
         return self._peer.collect(self._sequence_id, self._timeout_s)
 
 
-class DistExpertTransport(ExpertTransport):
+class DistExpertTransport(PerWorkerTransport):
     def __init__(self, endpoints: Mapping[str, str] | None = None, backend: str = "gloo", host: str = "127.0.0.1"):
         """`host`: the address expert workers reach this process at (its advertised host)."""
+        super().__init__(endpoints)
         self.backend, self.host = backend, host
-        self._endpoints: dict[str, str] = dict(endpoints or {})  # worker id -> 'host:port'
-        self._channels: dict[str, grpc.Channel] = {}  # endpoint -> channel (control plane)
-        self._peers: dict[str, _Peer] = {}  # worker id -> its open group
-        self._lock = threading.Lock()
 
-    def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
-        with self._lock:
-            self._endpoints = {**self._endpoints, **endpoints}
-            moved = [p for w, p in self._peers.items() if self._endpoints.get(w) != p.endpoint]
-        for peer in moved:
-            self._drop(peer)
+    def _open(self, channel: grpc.Channel, worker_id: str, endpoint: str) -> _Peer:
+        try:
+            return _Peer(channel, worker_id, endpoint, self.backend, self.host)
+        except grpc.RpcError as e:
+            raise ExpertCallError(worker_id, endpoint, e.code().name, e.details() or "") from None
+        except RuntimeError as e:  # the store or the group did not come up
+            raise ExpertCallError(worker_id, endpoint, "UNAVAILABLE", first_line(e)) from None
 
     def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
         try:
-            peer = self._peer(worker_id)
+            peer = self._connection(worker_id)
             return _DistCall(peer, peer.submit(request), timeout_s)
         except ExpertCallError as e:
             return FailedCall(e)
-
-    def _peer(self, worker_id: str) -> _Peer:
-        with self._lock:
-            peer = self._peers.get(worker_id)
-            if peer is not None and not peer.closed:
-                return peer
-            endpoint = self._endpoints.get(worker_id, "")
-            if not endpoint:
-                raise ExpertCallError(worker_id, "", "UNAVAILABLE", "not in the registry")
-            channel = self._channels.get(endpoint)
-            if channel is None:
-                channel = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-            try:
-                peer = self._peers[worker_id] = _Peer(channel, worker_id, endpoint, self.backend, self.host)
-            except grpc.RpcError as e:
-                raise ExpertCallError(worker_id, endpoint, e.code().name, e.details() or "") from None
-            except RuntimeError as e:  # the store or the group did not come up
-                raise ExpertCallError(worker_id, endpoint, "UNAVAILABLE", _first_line(e)) from None
-            return peer
-
-    def _drop(self, peer: _Peer) -> None:
-        with self._lock:
-            if self._peers.get(peer.worker_id) is peer:
-                del self._peers[peer.worker_id]
-        peer.close()
-
-    def close(self) -> None:
-        with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
-            channels, self._channels = list(self._channels.values()), {}
-        for peer in peers:
-            peer.close()
-        for channel in channels:
-            channel.close()

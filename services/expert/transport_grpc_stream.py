@@ -14,14 +14,12 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from moemesh.common.grpc_util import CHANNEL_OPTIONS
-from moemesh.expert.transport import ExpertCallError, ExpertTransport, FailedCall, PendingCall
+from moemesh.expert.transport import ExpertCallError, FailedCall, PendingCall, PerWorkerTransport
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
 _END = object()  # queue sentinel: close the request side
@@ -95,51 +93,13 @@ class _StreamCall:
                                   f"no reply within {self._timeout_s} s") from None  # fmt: skip
 
 
-class GrpcStreamExpertTransport(ExpertTransport):
-    def __init__(self, endpoints: Mapping[str, str] | None = None):
-        self._endpoints: dict[str, str] = dict(endpoints or {})  # worker id -> 'host:port'
-        self._channels: dict[str, grpc.Channel] = {}  # endpoint -> channel
-        self._streams: dict[str, _Stream] = {}  # worker id -> its open stream
-        self._lock = threading.Lock()
-
-    def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
-        with self._lock:
-            self._endpoints = {**self._endpoints, **endpoints}
-            moved = [w for w, s in self._streams.items() if self._endpoints.get(w) != s.endpoint]
-        for worker_id in moved:
-            self.drop(self._streams[worker_id])
+class GrpcStreamExpertTransport(PerWorkerTransport):
+    def _open(self, channel: grpc.Channel, worker_id: str, endpoint: str) -> _Stream:
+        return _Stream(channel, worker_id, endpoint)
 
     def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
-        stream = self._stream(worker_id)
-        if stream is None:
-            return FailedCall(ExpertCallError(worker_id, "", "UNAVAILABLE", "not in the registry"))
+        try:
+            stream = self._connection(worker_id)
+        except ExpertCallError as e:
+            return FailedCall(e)
         return _StreamCall(stream.submit(request), stream, timeout_s, self)
-
-    def _stream(self, worker_id: str) -> _Stream | None:
-        with self._lock:
-            stream = self._streams.get(worker_id)
-            if stream is not None and not stream.closed:
-                return stream
-            endpoint = self._endpoints.get(worker_id, "")
-            if not endpoint:
-                return None
-            channel = self._channels.get(endpoint)
-            if channel is None:
-                channel = self._channels[endpoint] = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-            stream = self._streams[worker_id] = _Stream(channel, worker_id, endpoint)
-            return stream
-
-    def drop(self, stream: _Stream) -> None:
-        with self._lock:
-            if self._streams.get(stream.worker_id) is stream:
-                del self._streams[stream.worker_id]
-        stream.close()
-
-    def close(self) -> None:
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-            channels, self._channels = list(self._channels.values()), {}
-        for stream in streams:
-            stream.close()
-        for channel in channels:
-            channel.close()

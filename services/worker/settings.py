@@ -14,6 +14,7 @@ from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
 # = moemesh.expert.transport.TRANSPORTS (no torch import here)
 EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
+EXPERT_DIST_BACKENDS = ("gloo", "nccl")  # = moemesh.expert.dist_group.BACKENDS
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_SCHEDULING = ("fixed", "confidence")
 MICRO_BATCH_OVERLAP = {"auto": None, "on": True, "off": False}  # --micro-batch-overlap -> ModelConfig
@@ -113,7 +114,8 @@ class ExpertSettings:
     def __post_init__(self):
         check(self.transport in EXPERT_TRANSPORTS,
               f"expert transport must be one of {EXPERT_TRANSPORTS}, got {self.transport!r}")  # fmt: skip
-        check(self.dist_backend in ("gloo", "nccl"), f"dist backend must be gloo or nccl, got {self.dist_backend!r}")
+        check(self.dist_backend in EXPERT_DIST_BACKENDS,
+              f"dist backend must be one of {EXPERT_DIST_BACKENDS}, got {self.dist_backend!r}")  # fmt: skip
         for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
             check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
@@ -249,7 +251,7 @@ def add_worker_arguments(parser) -> None:
     expert.add_argument(
         "--expert-dist-backend",
         default=ExpertSettings.dist_backend,
-        choices=("gloo", "nccl"),
+        choices=EXPERT_DIST_BACKENDS,
         help="prefill/decode with --expert-transport torch-dist: the torch.distributed backend",
     )
     expert.add_argument(

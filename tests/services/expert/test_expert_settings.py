@@ -48,6 +48,14 @@ def test_prefill_and_decode_pods_use_the_mesh_expert_transport(tmp_path, transpo
     assert settings_from_manifests("decode", tmp_path, "m-decode-abc").expert.transport == "grpc-stream"
 
 
+def test_the_worker_settings_name_the_transports_and_backends_the_expert_package_has():
+    from moemesh.expert.dist_group import BACKENDS
+    from moemesh.expert.transport import TRANSPORTS
+    from moemesh.worker.settings import EXPERT_DIST_BACKENDS, EXPERT_TRANSPORTS
+
+    assert (EXPERT_TRANSPORTS, EXPERT_DIST_BACKENDS) == (tuple(TRANSPORTS), tuple(BACKENDS))
+
+
 def test_expert_settings_reject_non_positive_timeouts():
     args = build_parser().parse_args(["serve", "--role", "decode", "--expert-timeout", "0"])
     with pytest.raises(SettingsError, match="call_timeout_s must be > 0"):

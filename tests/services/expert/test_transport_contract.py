@@ -98,69 +98,62 @@ TRANSPORTS = ["grpc", "grpc-stream", "torch-dist"]
 KEEPS_A_CONNECTION = {"grpc-stream", "torch-dist"}  # one stream / group per expert worker
 
 
-@pytest.mark.parametrize("kind", TRANSPORTS)
-def test_replies_reach_their_calls_in_any_collection_order(expert_side, kind):
-    servicer, endpoint, _ = expert_side
-    transport = make_transport(kind, {"expert-0": endpoint})
-    try:
-        requests = [request(0, rows, seed) for seed, rows in enumerate([3, 64, 1, 17])]
-        inputs = [tensor_from_proto(r.hidden_states) for r in requests]
-        calls = [transport.submit("expert-0", r, timeout_s=60) for r in requests]
-        for i in (2, 0, 3, 1):  # not the order sent
-            assert torch.equal(tensor_from_proto(calls[i].result().outputs), 2 * inputs[i])
-        assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)  # one stream / group carried them all
-    finally:
-        transport.close()
+@pytest.fixture(params=TRANSPORTS)
+def kind(request) -> str:
+    return request.param
 
 
-@pytest.mark.parametrize("kind", TRANSPORTS)
-def test_a_refused_request_raises_its_code_and_the_connection_stays_open(expert_side, kind):
-    servicer, endpoint, _ = expert_side
-    transport = make_transport(kind, {"expert-0": endpoint})
-    try:
-        with pytest.raises(ExpertCallError) as refused:
-            transport.submit("expert-0", request(-1, 2, 0), timeout_s=60).result()
-        assert refused.value.code == "INVALID_ARGUMENT" and "layer -1" in refused.value.details
-        assert transport.submit("expert-0", request(0, 2, 1), timeout_s=60).result().outputs.shape == [2, 16]
-        assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)
-    finally:
-        transport.close()
-
-
-@pytest.mark.parametrize("kind", TRANSPORTS)
-def test_a_hung_peer_misses_the_deadline_and_the_next_call_starts_afresh(expert_side, kind):
-    servicer, endpoint, loop = expert_side
-    transport = make_transport(kind, {"expert-0": endpoint})
-    try:
-        transport.submit("expert-0", request(0, 2, 0), timeout_s=60).result()
-        loop.call_soon_threadsafe(servicer.hang.set)
-        first, second = (transport.submit("expert-0", request(0, 2, s), timeout_s=0.5) for s in (1, 2))
-        with pytest.raises(ExpertCallError) as late:
-            first.result()
-        assert late.value.code == "DEADLINE_EXCEEDED"
-        with pytest.raises(ExpertCallError):  # the other call fails too (its stream / group, or its deadline)
-            second.result()
-        loop.call_soon_threadsafe(servicer.hang.clear)
-        loop.call_soon_threadsafe(servicer.release.set)
-        x = tensor_from_proto(request(0, 5, 3).hidden_states)
-        reply = transport.submit("expert-0", request(0, 5, 3), timeout_s=60).result()
-        assert torch.equal(tensor_from_proto(reply.outputs), 2 * x)
-        assert len(servicer.opened) == 2 * (kind in KEEPS_A_CONNECTION)
-    finally:
-        transport.close()
-
-
-@pytest.mark.parametrize("kind", TRANSPORTS)
-def test_a_worker_not_in_the_registry_or_not_listening_is_unavailable_at_once(expert_side, kind):
+@pytest.fixture
+def transport(expert_side, kind):
+    """`kind` to the expert side as "expert-0", and to a closed port as "gone"."""
     _, endpoint, _ = expert_side
     transport = make_transport(kind, {"expert-0": endpoint, "gone": "127.0.0.1:1"})
-    try:
-        for worker_id in ("nobody", "gone"):
-            with pytest.raises(ExpertCallError) as failed:
-                transport.submit(worker_id, request(0, 2, 0), timeout_s=60).result()
-            assert failed.value.code == "UNAVAILABLE"
-    finally:
-        transport.close()
+    yield transport
+    transport.close()
+
+
+def test_replies_reach_their_calls_in_any_collection_order(expert_side, kind, transport):
+    servicer, _, _ = expert_side
+    requests = [request(0, rows, seed) for seed, rows in enumerate([3, 64, 1, 17])]
+    inputs = [tensor_from_proto(r.hidden_states) for r in requests]
+    calls = [transport.submit("expert-0", r, timeout_s=60) for r in requests]
+    for i in (2, 0, 3, 1):  # not the order sent
+        assert torch.equal(tensor_from_proto(calls[i].result().outputs), 2 * inputs[i])
+    assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)  # one stream / group carried them all
+
+
+def test_a_refused_request_raises_its_code_and_the_connection_stays_open(expert_side, kind, transport):
+    servicer, _, _ = expert_side
+    with pytest.raises(ExpertCallError) as refused:
+        transport.submit("expert-0", request(-1, 2, 0), timeout_s=60).result()
+    assert refused.value.code == "INVALID_ARGUMENT" and "layer -1" in refused.value.details
+    assert transport.submit("expert-0", request(0, 2, 1), timeout_s=60).result().outputs.shape == [2, 16]
+    assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)
+
+
+def test_a_hung_peer_misses_the_deadline_and_the_next_call_starts_afresh(expert_side, kind, transport):
+    servicer, _, loop = expert_side
+    transport.submit("expert-0", request(0, 2, 0), timeout_s=60).result()
+    loop.call_soon_threadsafe(servicer.hang.set)
+    first, second = (transport.submit("expert-0", request(0, 2, s), timeout_s=0.5) for s in (1, 2))
+    with pytest.raises(ExpertCallError) as late:
+        first.result()
+    assert late.value.code == "DEADLINE_EXCEEDED"
+    with pytest.raises(ExpertCallError):  # the other call fails too (its stream / group, or its deadline)
+        second.result()
+    loop.call_soon_threadsafe(servicer.hang.clear)
+    loop.call_soon_threadsafe(servicer.release.set)
+    x = tensor_from_proto(request(0, 5, 3).hidden_states)
+    reply = transport.submit("expert-0", request(0, 5, 3), timeout_s=60).result()
+    assert torch.equal(tensor_from_proto(reply.outputs), 2 * x)
+    assert len(servicer.opened) == 2 * (kind in KEEPS_A_CONNECTION)
+
+
+def test_a_worker_not_in_the_registry_or_not_listening_is_unavailable_at_once(transport):
+    for worker_id in ("nobody", "gone"):
+        with pytest.raises(ExpertCallError) as failed:
+            transport.submit(worker_id, request(0, 2, 0), timeout_s=60).result()
+        assert failed.value.code == "UNAVAILABLE"
 
 
 def test_open_data_plane_refuses_a_reused_session_or_an_unknown_backend(expert_side):
