@@ -129,6 +129,9 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
                 "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}},
             }
         )
+    if role == "router" and spec.api_key_secret is not None:  # the keys clients must send (comma-separated)
+        name_, key = spec.api_key_secret
+        env.append({"name": "MOEMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": name_, "key": key}}})
     if role == "router":  # alive while the process serves HTTP; ready once a decode worker is routable
         live, ready = {"httpGet": {"path": "/live", "port": "http"}}, {"httpGet": {"path": "/health", "port": "http"}}
     else:  # alive while loading / waiting for a placement; ready when it serves

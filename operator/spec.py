@@ -99,6 +99,7 @@ class MeshSpec:
     otlp_endpoint: str | None = None  # spec.telemetry.otlpEndpoint: where every service exports traces
     expert_transport: str = "grpc-stream"  # spec.expertTransport: the workers' expert data plane
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets[*].name, on every pod
+    api_key_secret: tuple[str, str] | None = None  # spec.apiKeySecretRef (name, key): the router's API keys
 
     def policy_for(self, role: str) -> ScalingPolicy:
         role_spec = self.roles[role]
@@ -284,6 +285,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         otlp_endpoint=_otlp_endpoint(_section(spec, "telemetry", "spec")),
         expert_transport=_expert_transport(spec),
         image_pull_secrets=tuple(ref["name"] for ref in _named_list(spec, "imagePullSecrets", "spec")),
+        api_key_secret=_secret_ref(spec, "apiKeySecretRef", "spec", "api-key"),
     )
     try:
         _ = mesh.expert_layout  # validates the expert/EPLB combination
@@ -291,6 +293,15 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         raise SpecError(f"spec.expert/spec.eplb/spec.model: {exc}") from exc
     _check_expert_memory(mesh)
     return mesh
+
+
+def _secret_ref(section: dict[str, Any], key: str, path: str, default_key: str) -> tuple[str, str] | None:
+    ref = _section(section, key, path)
+    if not ref:
+        return None
+    if not isinstance(ref.get("name"), str) or not ref["name"]:
+        raise SpecError(f"{path}.{key}.name is required when {key} is set")
+    return ref["name"], str(ref.get("key") or default_key)
 
 
 def _gpu_memory(value: Any) -> int | None:

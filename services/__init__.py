@@ -4,7 +4,14 @@
 that the operator and router, which never need torch models, import `moemesh.common` cheaply.
 """
 
-__all__ = ["LLM", "SamplingParams"]
+from importlib import metadata as _metadata
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+try:
+    __version__ = _metadata.version("moemesh")
+except _metadata.PackageNotFoundError:  # a source tree without an install
+    __version__ = "0.0.0+unknown"
 
 
 def __getattr__(name: str):

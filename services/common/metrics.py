@@ -2,7 +2,15 @@
 from model servers by default (vLLM's): `vllm:num_requests_waiting` (queued),
 `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` (also as the older
 `vllm:gpu_cache_usage_perc`), plus TTFT / inter-token-latency histograms and prefix-cache
-counters. moemesh-only metrics use the `moemesh:` prefix.
+counters, and vLLM's request metrics with vLLM's semantics and buckets, so vLLM dashboards work
+unchanged: per finished request on the decode worker (where it runs to the end),
+`vllm:e2e_request_latency_seconds` (arrival at the worker -> last token),
+`vllm:request_queue_time_seconds` (arrival -> first admitted), `vllm:request_prefill_time_seconds`
+(admitted -> first token, a remote prefill included), `vllm:request_decode_time_seconds` (first ->
+last token), `vllm:request_inference_time_seconds` (admitted -> last token), the prompt and
+generation token counters and histograms, and `vllm:request_success_total{finished_reason}`.
+A prefill worker counts only its own prefills (`moemesh:prefills_total`), so a request is counted
+once in the mesh. moemesh-only metrics use the `moemesh:` prefix.
 
 Each service owns one `CollectorRegistry` (no process-global default registry), created in its
 `main()`. Gauges and counters of the engine are read from a stats callable at scrape time.
@@ -13,11 +21,20 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+# vLLM's buckets for the metrics that carry its names
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
 
 
 class LatencyWindow:
@@ -75,6 +92,20 @@ class _EngineStatsCollector:
         yield counter("vllm:num_preemptions", "Preempted requests.", stats.get("num_preemptions", 0))
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """One finished request on its decode worker, in time.monotonic() seconds."""
+
+    arrival: float
+    scheduled: float | None  # first admitted; None: finished (aborted) while queued
+    first_token: float | None
+    finished: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int
+    finished_reason: str
+
+
 class WorkerMetrics:
     """A prefill/decode worker's metrics; latency observations come from its servicer."""
 
@@ -82,18 +113,40 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "worker_id": worker_id}
         self.registry.register(_EngineStatsCollector(stats, labels))
-        names = list(labels)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", names,
-                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", names,
-                             buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
-        self.requests = Counter("moemesh:requests_finished", "Finished requests by reason.",
-                                [*names, "finished_reason"], registry=self.registry)  # fmt: skip
         self._labels = labels
+        names = list(labels)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, names, registry=self.registry).labels(**labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first admission.",
+                               REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "First admission to first token.",
+                                 REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.",
+                                REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.inference = histogram("vllm:request_inference_time_seconds", "First admission to last token.",
+                                   REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                               TOKEN_COUNT_BUCKETS)  # fmt: skip
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                                   TOKEN_COUNT_BUCKETS)  # fmt: skip
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens", "max_tokens per request.",
+                                            TOKEN_COUNT_BUCKETS)  # fmt: skip
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.success = Counter("vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"],
+                               registry=self.registry)  # fmt: skip
+        self.prefills = counter("moemesh:prefills", "Prompts prefilled for a decode worker (prefill role).")
         self.kv_bytes = Counter("moemesh:kv_transfer_bytes", "KV bytes received from / sent to peers.",
                                 [*names, "direction"], registry=self.registry)  # fmt: skip
-        self.kv_seconds = Histogram("moemesh:kv_transfer_seconds", "Duration of one KV transfer.", names,
-                                    buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.kv_seconds = histogram("moemesh:kv_transfer_seconds", "Duration of one KV transfer.", LATENCY_BUCKETS)
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
 
@@ -105,8 +158,21 @@ class WorkerMetrics:
         self.itl.observe(seconds)
         self.itl_window.add(seconds)
 
-    def finished(self, reason: str) -> None:
-        self.requests.labels(**self._labels, finished_reason=reason).inc()
+    def request_finished(self, t: RequestTimes) -> None:
+        self.e2e.observe(t.finished - t.arrival)
+        if t.scheduled is not None:
+            self.queue.observe(t.scheduled - t.arrival)
+            self.inference.observe(t.finished - t.scheduled)
+            if t.first_token is not None:
+                self.prefill.observe(t.first_token - t.scheduled)
+        if t.first_token is not None:
+            self.decode.observe(t.finished - t.first_token)
+        self.request_prompt_tokens.observe(t.num_prompt_tokens)
+        self.request_generation_tokens.observe(t.num_generation_tokens)
+        self.request_max_tokens.observe(t.max_tokens)
+        self.prompt_tokens.inc(t.num_prompt_tokens)
+        self.generation_tokens.inc(t.num_generation_tokens)
+        self.success.labels(**self._labels, finished_reason=t.finished_reason).inc()
 
     def transferred(self, direction: str, num_bytes: int, seconds: float) -> None:
         self.kv_bytes.labels(**self._labels, direction=direction).inc(num_bytes)

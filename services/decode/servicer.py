@@ -18,7 +18,7 @@ import time
 import grpc
 
 from moemesh.common import telemetry
-from moemesh.common.metrics import WorkerMetrics
+from moemesh.common.metrics import RequestTimes, WorkerMetrics
 from moemesh.engine.async_engine import AsyncEngine, RemotePrefillNeeded
 from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemotePrefillTask
 from moemesh.engine.outputs import RequestOutput
@@ -65,7 +65,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         remote = self.remote_params if request.prefill_endpoint else None
         events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params, remote_prefill=remote)
         num_remote_tokens = 0
-        last = None
+        last = first_token = scheduled = None
+        num_generated, finish_reason = 0, "abort"
         # spans: local = "queue+prefill" -> "decode"; remote = "queue" -> "kv_transfer" -> "decode"
         phase = self._tracer.start_span("queue+prefill", context=ctx)
         try:
@@ -80,7 +81,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                         )
                         continue
                     now = time.monotonic()
+                    scheduled = event.scheduled_time or scheduled
+                    num_generated = len(event.token_ids)
                     if last is None:
+                        first_token = now
                         self.metrics.observe_ttft(now - arrival)
                         if not num_remote_tokens:
                             phase.end()
@@ -90,7 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     last = now
                     yield self._response(event, num_remote_tokens)
                     if event.finished:
-                        self.metrics.finished(event.finish_reason)
+                        finish_reason = event.finish_reason
                         span.set_attribute("moemesh.num_output_tokens", len(event.token_ids))
                         span.set_attribute("moemesh.num_cached_tokens", event.num_cached_tokens)
                         span.set_attribute("moemesh.num_remote_prefill_tokens", num_remote_tokens)
@@ -98,6 +102,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             phase.end()
             span.end()
             await events.aclose()
+            self.metrics.request_finished(RequestTimes(
+                arrival, scheduled, first_token, time.monotonic(), len(request.prompt_token_ids), num_generated,
+                params.max_tokens, finish_reason))  # fmt: skip
 
     async def _remote_prefill(self, request, event: RemotePrefillNeeded, ctx) -> int:
         """Fetch the KV of tokens [num_computed, len(prompt)); returns how many came remotely

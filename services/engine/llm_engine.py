@@ -320,6 +320,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            scheduled_time=request.scheduled_time,
         )
         if finished:
             self._requests.pop(request.request_id, None)

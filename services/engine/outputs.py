@@ -19,6 +19,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    scheduled_time: float | None = None  # time.monotonic() of the first admission (None: still queued)
 
     @property
     def num_prompt_tokens(self) -> int:

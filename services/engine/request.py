@@ -53,6 +53,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted (time.monotonic()): the end of its queue time
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -21,6 +21,7 @@ Disaggregated hooks (the worker's engine thread calls them between steps):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from moemesh.engine.config import SchedulerConfig
@@ -160,8 +161,9 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first admission
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             self._schedule(out, request, num_new, new_blocks)
             budget -= num_new
@@ -175,8 +177,9 @@ class Scheduler:
         request.remote_prefill = None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_computed_tokens = num_hit_tokens
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # first admission
             request.num_cached_tokens = num_hit_tokens
+            request.scheduled_time = time.monotonic()
         self.waiting_for_kv[request.request_id] = request
         self._new_remote_prefills.append(request)
         return True

@@ -45,7 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             exported = await self._run(request, params, context)
             span.set_attribute("moemesh.num_cached_tokens", exported.num_cached_tokens)
             self.metrics.observe_ttft(time.monotonic() - start)
-            self.metrics.finished("length")
+            self.metrics.prefills.inc()
         span = self._tracer.start_span("kv_transfer.send", context=telemetry.extract_context(context))
         span.set_attribute("moemesh.num_bytes", exported.data.numel())
         sent_at = time.monotonic()

@@ -1,5 +1,9 @@
 """What the HTTP and gRPC APIs share: the model's name and tokenizer, prompt checks, admission
 (max requests in flight) and running the choices of one API call (prompts x n) concurrently.
+
+Tokenization and chat templating run on worker threads (the Rust tokenizer releases the GIL), so
+a huge prompt never stalls other streams; a text that cannot fit the context even at the
+vocabulary's longest token per piece is refused before it is tokenized at all.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Frontend:
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self._max_token_chars = _max_token_chars(tokenizer)
 
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -39,11 +44,12 @@ class Frontend:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                 param="model")  # fmt: skip
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
-            token_ids = self.tokenizer.encode(prompt)
+            self._check_text_length(prompt, "prompt")
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
@@ -51,14 +57,44 @@ class Frontend:
         self.check_prompt(token_ids)
         return token_ids
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except InvalidRequestError as e:
-            raise InvalidRequest(str(e), param=e.param or "messages") from None
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        self._check_text_length("".join(str(m.get("content") or "") for m in messages), "messages")
+        token_ids = await asyncio.to_thread(self._tokenize_chat, messages, add_generation_prompt)
         self.check_prompt(token_ids, param="messages")
         return token_ids
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        if any(t >= self.vocab_size for t in token_ids):
+            raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", param="tokens")
+        return await asyncio.to_thread(self.tokenizer.decode, token_ids, False)
+
+    def _tokenize_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except InvalidRequestError as e:
+            raise InvalidRequest(str(e), param=e.param or "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_text_length(self, text: str, param: str) -> None:
+        """Every token covers at most `_max_token_chars` characters, so a longer text than this
+        holds more tokens than the context: refused without tokenizing it."""
+        if self._max_token_chars and len(text) > self.max_model_len * self._max_token_chars:
+            raise InvalidRequest(f"{param} has {len(text)} characters, more than {self.max_model_len} tokens of "
+                                 f"this model's context can hold", param=param)  # fmt: skip
+
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str = "max_tokens") -> int:
+        """The tokens to generate: `requested`, or the rest of the context when None. A request
+        that cannot fit the context is a 400 with both numbers (never silently cut)."""
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise InvalidRequest(
+                f"this model's context holds {self.max_model_len} tokens, but the request needs "
+                f"{num_prompt_tokens + requested}: {num_prompt_tokens} in the prompt and {requested} to generate",
+                param=param,
+            )
+        return requested
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
@@ -129,3 +165,11 @@ class Frontend:
                     self.metrics.cached_tokens.inc(delta.num_cached_tokens)
                     self.metrics.outcome("finished")
                 yield delta
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """The longest vocabulary entry's UTF-8 length: an upper bound on characters per token."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return None
+    return max((len(piece.encode("utf-8")) for piece in backend.get_vocab(with_added_tokens=True)), default=None)

@@ -8,6 +8,7 @@ import uuid
 import grpc
 
 from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from moemesh.router.api_keys import ApiKeys
 from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError
 from moemesh.router.frontend import Frontend
 
@@ -15,12 +16,16 @@ _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_RE
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, api_keys: ApiKeys = ApiKeys()):
         self.frontend = frontend
+        self.api_keys = api_keys
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not self.api_keys.allows(dict(context.invocation_metadata() or ()).get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key "
+                                "(send metadata 'authorization: Bearer <key>')")  # fmt: skip
         try:
-            inputs = [(0, self._input(request))]
+            inputs = [(0, await self._input(request))]
             first = True
             async with contextlib.aclosing(self.frontend.run(inputs)) as deltas:
                 async for d in deltas:
@@ -41,20 +46,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 context.set_trailing_metadata((("moemesh-param", e.param),))
             await context.abort(e.code, str(e))
 
-    def _input(self, request: generate_pb2.GenerateRequest) -> GenerateInput:
+    async def _input(self, request: generate_pb2.GenerateRequest) -> GenerateInput:
         frontend = self.frontend
         if request.model:
             frontend.check_model(request.model)
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("prompt is required (text or token_ids)", param="prompt")
-        prompt = frontend.tokenize(request.text if kind == "text" else list(request.token_ids.ids))
+        prompt = await frontend.tokenize(request.text if kind == "text" else list(request.token_ids.ids))
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         if sampling.max_tokens <= 0:
             raise InvalidRequest(
                 f"max_tokens must be a positive integer, got {sampling.max_tokens}", param="max_tokens"
             )
+        frontend.max_tokens(len(prompt), sampling.max_tokens)
         if sampling.temperature < 0 or not 0 <= sampling.top_p <= 1:
             raise InvalidRequest("temperature must be >= 0 and top_p in (0, 1]", param="sampling")
         if not all(request.stop):

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions (SSE
-streaming with `data: [DONE]`), /live (liveness), /health (readiness: 503 until a decode worker
-is routable), /metrics. Errors are OpenAI error objects with the
-status of the RouterError (400 invalid, 404 unknown model, 429 overloaded, 503 no worker).
+streaming, always ended by `data: [DONE]`, also after an error event), /tokenize, /detokenize and
+/version (as vLLM's), /live (liveness), /health (readiness: 503 until a decode worker is
+routable), /metrics. Errors are OpenAI error objects with the status of the RouterError (400
+invalid, 404 unknown model, 429 overloaded, 503 no worker; 429 and 503 carry Retry-After).
+API keys, the body-size limit and the last-resort 500 live in `http_guard`.
 
 A client that disconnects cancels its request: for streams Starlette cancels the response
 iterator; for plain responses the handler watches for the disconnect.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,37 +23,49 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from moemesh import __version__
 from moemesh.router.dispatcher import GenerateInput, RouterError, Unavailable
 from moemesh.router.frontend import ChoiceDelta, Frontend
+from moemesh.router.http_guard import GuardSettings, HttpGuard
 from moemesh.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LogprobFormatter,
+    TokenizeRequest,
     error_body,
     new_id,
     now,
     usage,
 )
 
-_CHAT_DEFAULT_MAX_TOKENS = 256
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what 429 and 503 answers tell clients to wait
 
 
-def build_app(frontend: Frontend, num_decode_workers) -> FastAPI:
+def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = GuardSettings()) -> FastAPI:
     """`num_decode_workers()` -> how many decode workers the router can route to (for /health)."""
-    app = FastAPI(title="moemesh router", docs_url=None, redoc_url=None)
+    app = FastAPI(title="moemesh router", version=__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(HttpGuard, api_keys=guard.api_keys, open_paths=guard.open_paths,
+                       max_body_bytes=guard.max_body_bytes)  # fmt: skip
     logprob_fmt = LogprobFormatter(frontend.tokenizer)
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, e: RouterError):
         code = "model_not_found" if e.status == 404 else None
-        return JSONResponse(error_body(str(e), e.error_type, e.param, code), status_code=e.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+        return JSONResponse(error_body(str(e), e.error_type, e.param, code), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "extra_forbidden":
+            param = loc[0] if loc else None
+            message = f"unknown field {'.'.join(loc)!r}"
+        elif first.get("type") == "json_invalid":
             message, param = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
         else:
             param = loc[0] if loc else None
@@ -75,6 +90,27 @@ def build_app(frontend: Frontend, num_decode_workers) -> FastAPI:
     async def metrics():
         return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            frontend.check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            token_ids = await frontend.tokenize_chat(body.conversation(), body.add_generation_prompt)
+        else:
+            token_ids = await frontend.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(token_ids), "max_model_len": frontend.max_model_len, "tokens": token_ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            frontend.check_model(body.model)
+        return {"prompt": await frontend.detokenize(body.tokens)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(frontend.model_name)]}
@@ -89,8 +125,8 @@ def build_app(frontend: Frontend, num_decode_workers) -> FastAPI:
         frontend.check_model(body.model)
         body.check_unsupported()
         stop = body.stop_strings()
-        prompts = [frontend.tokenize(p) for p in body.prompts()]
-        inputs = _inputs(prompts, body, body.max_tokens, body.logprobs, stop)
+        prompts = [await frontend.tokenize(p) for p in body.prompts()]
+        inputs = _inputs(frontend, prompts, body, body.logprobs, stop)
         meta = {"id": new_id("cmpl"), "created": now(), "model": frontend.model_name}
 
         def choice(index: int, text: str, logprobs, offset: int, finish) -> dict:
@@ -110,8 +146,8 @@ def build_app(frontend: Frontend, num_decode_workers) -> FastAPI:
         frontend.check_model(body.model)
         body.check_unsupported()
         stop = body.stop_strings()
-        prompt = frontend.tokenize_chat(body.conversation())
-        inputs = _inputs([prompt], body, body.max_new_tokens(_CHAT_DEFAULT_MAX_TOKENS), body.num_logprobs(), stop)
+        prompt = await frontend.tokenize_chat(body.conversation())
+        inputs = _inputs(frontend, [prompt], body, body.num_logprobs(), stop)
         meta = {"id": new_id("chatcmpl"), "created": now(), "model": frontend.model_name}
 
         if body.stream:
@@ -149,10 +185,11 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "moemesh"}
 
 
-def _inputs(prompts: list[list[int]], body, max_tokens: int, logprobs: int | None, stop) -> list:
+def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | None, stop) -> list:
     request_id = uuid.uuid4().hex
     inputs = []
     for p, prompt in enumerate(prompts):
+        max_tokens = frontend.max_tokens(len(prompt), body.requested_max_tokens())
         for i in range(body.n):
             choice = p * body.n + i
             sampling = body.sampling(max_tokens, logprobs, i)
@@ -231,8 +268,12 @@ async def _sse(request, frontend: Frontend, inputs, include_usage: bool, meta: d
                 results = [{"prompt": p, "usage": usage_of.get(i, (0, 0, 0))} for i, (p, _) in enumerate(inputs)]
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': _usage(results)})}\n\n"
             yield "data: [DONE]\n\n"
-        except RouterError as e:
+        except Exception as e:  # noqa: BLE001 - the stream's last events say what went wrong
+            if not isinstance(e, RouterError):
+                logger.exception("stream %s failed", meta["id"])
+                e = RouterError("internal error (logged by the router)")
             yield f"data: {json.dumps(error_body(str(e), e.error_type, e.param, None))}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             await stream.aclose()
 

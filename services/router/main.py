@@ -21,6 +21,7 @@ from moemesh.common.lifecycle import watch_parent
 from moemesh.common.metrics import RouterMetrics
 from moemesh.common.model_source import default_model_path
 from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
+from moemesh.router.api_keys import ApiKeys
 from moemesh.router.dispatcher import Dispatcher
 from moemesh.router.frontend import Frontend
 from moemesh.router.grpc_api import GenerateServicer
@@ -68,11 +69,13 @@ async def serve(settings: RouterSettings) -> None:
     if settings.grpc_port is not None:
         health = HealthReporter([generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name])
         grpc_server, port = create_server(settings.host, settings.grpc_port, health)
-        generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(frontend), grpc_server)
+        generate_pb2_grpc.add_GenerateServicer_to_server(
+            GenerateServicer(frontend, ApiKeys(settings.guard.api_keys)), grpc_server
+        )
         await grpc_server.start()
         await health.set_serving(True)
         logger.info("gRPC Generate API on %s:%d", settings.host, port)
-    app = build_app(frontend, lambda: len(pool.live(DECODE_ROLES)))
+    app = build_app(frontend, lambda: len(pool.live(DECODE_ROLES)), settings.guard)
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
                             timeout_graceful_shutdown=5)  # fmt: skip
     logger.info("OpenAI API for %r on http://%s:%d/v1 (policy %s, %s)", frontend.model_name, settings.host,

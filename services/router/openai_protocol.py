@@ -1,38 +1,83 @@
 """OpenAI-compatible request bodies (validated at the boundary) and response objects.
 
-Unknown fields are ignored, as OpenAI-compatible servers usually do; fields we cannot honour
-with a non-default value (echo, best_of, penalties, tools, ...) are rejected with a 400 naming
-the field. moemesh extensions: top_k, min_p, ignore_eos.
+Strict like OpenAI's own API: an unknown field is a 400 naming it. The exceptions are the
+documented extras in `ACCEPTED_EXTRAS` (fields vLLM's and OpenAI's clients send), accepted only
+with a value that changes nothing here; any other value is a 400 saying it is not supported.
+Integers are range-checked here (never past protobuf's int32/int64), and every string is
+checked for unpaired UTF-16 surrogates (JSON allows `"\\ud800"`; UTF-8 cannot carry it).
+moemesh/vLLM extensions honoured: top_k, min_p, ignore_eos, stop_token_ids.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from moemesh.proto.v1 import common_pb2
 from moemesh.router.dispatcher import InvalidRequest
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Fields OpenAI's or vLLM's clients send that moemesh accepts only with these values (each
+# changes nothing here). Any other field not declared on the request model is a 400.
+ACCEPTED_EXTRAS: dict[str, tuple] = {
+    # OpenAI
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "parallel_tool_calls": (None, True, False),  # no tools -> no parallel calls either way
+    # vLLM
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "priority": (0,),
+    "add_special_tokens": (None,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "echo": (False,),  # chat completions only (completions declare it)
+    "return_tokens_as_token_ids": (None, False),
+    "logits_processors": (None,),
+    "documents": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
+}
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool = False  # padding against side channels; moemesh sends none
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+    def check_unsupported(self) -> None:
+        if self.continuous_usage_stats:
+            raise InvalidRequest("stream_options.continuous_usage_stats is not supported", param="stream_options")
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # extras: checked against ACCEPTED_EXTRAS in check_unsupported
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -42,22 +87,32 @@ class _SamplingFields(BaseModel):
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 4 or not all(stop):
-            raise InvalidRequest("stop must be up to 4 non-empty strings", param="stop")
+        if not all(stop):
+            raise InvalidRequest("stop strings must be non-empty", param="stop")
         return tuple(stop)
 
     def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name not in ACCEPTED_EXTRAS:
+                raise InvalidRequest(f"unknown field {name!r}", param=name)
+            if value not in ACCEPTED_EXTRAS[name]:
+                allowed = " or ".join(json.dumps(v) for v in ACCEPTED_EXTRAS[name])
+                raise InvalidRequest(f"{name}={json.dumps(value)} is not supported (only {allowed})", param=name)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
+        if self.stream_options is not None:
+            self.stream_options.check_unsupported()
+        for name in type(self).model_fields:
+            check_text(getattr(self, name), name)
 
     def sampling(self, max_tokens: int, logprobs: int | None, choice: int) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-            max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or (),
         )  # fmt: skip
-        if self.seed is not None:
-            params.seed = self.seed + choice  # n > 1: distinct but reproducible choices
+        if self.seed is not None:  # n > 1: distinct but reproducible choices (wrapping within int64)
+            params.seed = (self.seed + choice - INT64_MIN) % 2**64 + INT64_MIN
         if logprobs is not None:
             params.logprobs = logprobs
         return params
@@ -67,9 +122,29 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def check_text(value, param: str) -> None:
+    """A 400 naming `param` if any string in `value` holds an unpaired surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{param} holds an unpaired UTF-16 surrogate (not valid Unicode text)",
+                                 param=param) from None  # fmt: skip
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, param)
+            check_text(item, param)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            check_text(item, param)
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            check_text(getattr(value, name), param)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1)  # OpenAI's and vLLM's completions default; bounded by the context
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -95,6 +170,9 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -114,7 +192,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context, as vLLM
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -128,13 +206,43 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest("messages must be a non-empty list", param="messages")
 
     def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return _conversation(self.messages)
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def max_new_tokens(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("send exactly one of prompt and messages", param="prompt")
+        check_text(self.prompt, "prompt")
+        check_text(self.messages, "messages")
+
+    def conversation(self) -> list[dict]:
+        return _conversation(self.messages or [])
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict]:
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 # -- responses ---------------------------------------------------------------------------------

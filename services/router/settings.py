@@ -9,6 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
+from moemesh.router.api_keys import ENV_VAR as API_KEY_ENV
+from moemesh.router.api_keys import keys_from
+from moemesh.router.http_guard import OPEN_PATHS, GuardSettings
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
@@ -46,6 +49,7 @@ class RouterSettings:
     refresh_interval_s: float = 0.5  # registry poll
     max_in_flight: int = 1024  # more concurrent requests -> HTTP 429
     first_token_timeout_s: float = 120.0
+    guard: GuardSettings = field(default_factory=GuardSettings)  # API keys, open paths, body limit
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     mesh: MeshSettings = field(default_factory=MeshSettings)
 
@@ -67,6 +71,11 @@ def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings
         decode_endpoints=tuple(args.decode_endpoint),
         prefill_endpoints=tuple(args.prefill_endpoint),
         max_in_flight=args.max_in_flight,
+        guard=GuardSettings(
+            api_keys=keys_from(args.api_key, env.get(API_KEY_ENV)),
+            open_paths=tuple(args.open_path) if args.open_path is not None else OPEN_PATHS,
+            max_body_bytes=args.max_request_bytes,
+        ),
         routing=RoutingSettings(
             policy=args.policy,
             prefill_weight=args.prefill_weight,
@@ -88,3 +97,11 @@ def add_router_arguments(parser) -> None:
     router.add_argument("--decode-endpoint", action="append", default=[], help="static decode worker host:port")
     router.add_argument("--prefill-endpoint", action="append", default=[], help="static prefill worker host:port")
     router.add_argument("--max-in-flight", type=int, default=1024)
+    router.add_argument("--api-key", action="append", default=[],
+                        help=f"a key clients must send as 'Authorization: Bearer <key>' (repeat for several; also "
+                             f"${API_KEY_ENV}, comma-separated)")  # fmt: skip
+    router.add_argument("--open-path", action="append", default=None,
+                        help=f"a path served without a key (repeat; default {' '.join(OPEN_PATHS)}; "
+                             "--open-path '' keeps none open)")  # fmt: skip
+    router.add_argument("--max-request-bytes", type=int, default=GuardSettings.max_body_bytes,
+                        help="larger request bodies get 413")  # fmt: skip

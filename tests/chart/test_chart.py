@@ -280,6 +280,35 @@ def test_the_expert_transport_reaches_the_workers_and_torch_dist_opens_worker_to
         parse_spec({**SAMPLE["spec"], "expertTransport": "carrier-pigeon"}, default_image="unused")
 
 
+def test_the_api_key_secret_reaches_only_the_router_pods_and_their_settings(chart, crd, tmp_path):
+    from moemesh.cli import build_parser
+    from moemesh.operator.spec import SpecError
+    from moemesh.router.settings import router_settings
+
+    assert "apiKeySecretRef" not in by_kind(render(chart, {}), "InferenceMesh")[0]["spec"]  # default: no keys
+    [mesh] = by_kind(render(chart, {"mesh": {"apiKeySecretRef": {"name": "clients"}}}), "InferenceMesh")
+    assert mesh["spec"]["apiKeySecretRef"] == {"name": "clients", "key": "api-key"}
+    validate_cr(crd, mesh)
+    spec = parse_spec(mesh["spec"], default_image="unused")
+    config = tmp_path / "mesh.json"
+    config.write_text(manifests.config_map(spec, "m", "ns", "uid", "redis://r")["data"]["mesh.json"])
+    for role in ("router", "decode"):
+        workload = manifests.workload(spec, "m", "ns", "uid", role, 1, None)
+        kubernetes_validate.validate(workload, "1.30", strict=True)
+        [container] = workload["spec"]["template"]["spec"]["containers"]
+        refs = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == "MOEMESH_API_KEY"]
+        assert refs == ([{"name": "clients", "key": "api-key"}] if role == "router" else []), role
+    argv = [a.replace(manifests.CONFIG_PATH, str(config)) for a in container_of(spec, "router")["command"][1:]]
+    settings = router_settings(build_parser().parse_args(argv), env={"MOEMESH_API_KEY": "k1,k2", "POD_IP": "10.0.0.9"})
+    assert settings.guard.api_keys == ("k1", "k2")
+    with pytest.raises(SpecError, match="spec.apiKeySecretRef.name is required"):
+        parse_spec({**SAMPLE["spec"], "apiKeySecretRef": {"key": "k"}}, default_image="unused")
+
+
+def container_of(spec, role: str) -> dict:
+    return manifests.workload(spec, "m", "ns", "uid", role, 1, None)["spec"]["template"]["spec"]["containers"][0]
+
+
 def test_no_default_mesh_renders_no_mesh_and_no_test_pod(chart):
     docs = render(chart, load_values("no-default-mesh"))
     assert by_kind(docs, "InferenceMesh") == [] and by_kind(docs, "Pod") == []

@@ -11,6 +11,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.redis_client import connect
@@ -205,7 +206,7 @@ def test_router_hash_chain_equals_the_blocks_the_worker_cached(cluster, tokenize
     index = PrefixIndex(connect(redis_server.url), MESH)
     router = cluster.services["router"]
     frontend, _ = build_frontend(RouterSettings(), connect(redis_server.url), ChannelPool())  # the router's code path
-    prompt = frontend.tokenize("Parity of block keys between the router and the engine. " * 8)
+    prompt = asyncio.run(frontend.tokenize("Parity of block keys between the router and the engine. " * 8))
     assert len(prompt) % 16 != 0
     chain = frontend.dispatcher.block_chain(prompt)
     assert len(chain) == len(prompt) // 16
@@ -258,8 +259,37 @@ def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(cluster, cli
     assert client.completions.create(model=model, prompt="Still alive?", max_tokens=2).choices[0].text
 
 
-def test_health_and_prometheus_metrics_on_every_service(cluster, client, model):
-    client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=2)
+def test_health_and_prometheus_metrics_on_every_service(cluster, client, model, tokenizer):
+    decodes = decode_workers(cluster)
+
+    def decode_samples() -> dict:
+        totals: dict = {}
+        for worker in decodes:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(worker)}/metrics").read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    key = (sample.name, sample.labels.get("finished_reason"))
+                    totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
+
+    before = decode_samples()
+    client.completions.create(
+        model=model, prompt=PROMPTS[3], max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = decode_samples()
+
+    def moved(name: str, reason: str | None = None) -> float:
+        return after.get((name, reason), 0.0) - before.get((name, reason), 0.0)
+
+    assert moved("vllm:request_success_total", "length") == 1
+    assert moved("vllm:prompt_tokens_total") == len(tokenizer.encode(PROMPTS[3]))
+    assert moved("vllm:generation_tokens_total") == 2
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                 "request_inference_time", "time_to_first_token"):  # fmt: skip
+        assert moved(f"vllm:{name}_seconds_count") == 1, name
+    assert moved("vllm:e2e_request_latency_seconds_sum") >= moved("vllm:request_decode_time_seconds_sum") > 0
+    assert moved("vllm:request_generation_tokens_sum") == 2
+
     health = json.loads(urllib.request.urlopen(cluster.url + "/health").read())
     assert health == {"status": "ok", "decode_workers": 2}
     router_metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
@@ -271,7 +301,8 @@ def test_health_and_prometheus_metrics_on_every_service(cluster, client, model):
         for name in ("vllm:num_requests_waiting{", "vllm:num_requests_running{", "vllm:kv_cache_usage_perc{",
                      "vllm:prefix_cache_hits_total{", "vllm:time_to_first_token_seconds_bucket{"):  # fmt: skip
             assert name in text, (worker.name, name)
-    decode_text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(decode_workers(cluster)[0])}/metrics").read()
+        assert 'vllm:time_to_first_token_seconds_bucket{le="2560.0"' in text  # vLLM's TTFT range
+    decode_text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(decodes[0])}/metrics").read()
     assert b"vllm:inter_token_latency_seconds_bucket{" in decode_text
 
 

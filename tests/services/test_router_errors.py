@@ -1,30 +1,44 @@
 """The router's boundary, in process (no workers): OpenAI error objects with the right status for
-bad input, an unknown model, overload (429) and no healthy worker (503), on HTTP and gRPC."""
+bad input (unknown fields, integers past protobuf's range, lone surrogates, over-context
+requests, huge bodies), an unknown model, overload (429) and no healthy worker (503), API keys,
+/tokenize and friends, on HTTP and gRPC."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
+import importlib.metadata
+import json
+import threading
+import time
 
 import grpc
 import httpx
 import pytest
+import uvicorn
 
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.redis_client import connect
 from moemesh.common.settings import MeshSettings
 from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from moemesh.router.api_keys import ApiKeys
+from moemesh.router.dispatcher import Delta, WorkerFailedError
+from moemesh.router.frontend import ChoiceDelta
 from moemesh.router.grpc_api import GenerateServicer
 from moemesh.router.http_api import build_app
+from moemesh.router.http_guard import GuardSettings
 from moemesh.router.main import build_frontend
 from moemesh.router.settings import RouterSettings
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
-def make_frontend(redis_server, max_in_flight: int = 8):
+def make_frontend(redis_server, max_in_flight: int = 8, max_model_len: int | None = None):
     settings = RouterSettings(
-        max_in_flight=max_in_flight, mesh=MeshSettings(mesh="nobody-here", redis_url=redis_server.url)
-    )
+        max_in_flight=max_in_flight, max_model_len=max_model_len,
+        mesh=MeshSettings(mesh="nobody-here", redis_url=redis_server.url),
+    )  # fmt: skip
     frontend, pool = build_frontend(settings, connect(redis_server.url), ChannelPool())
     return frontend, pool
 
@@ -58,11 +72,22 @@ def assert_error(response: httpx.Response, status: int, param: str | None, error
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
-        ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": MODEL, "prompt": "hi", "stop": ["a", ""]}, "stop"),
         ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
         ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
         ({"model": MODEL, "prompt": []}, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 10**9]}, "prompt"),
+        # past protobuf's integer ranges: a 400 naming the field, never a 500
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 2**31}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 1e9}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "top_k": 2**31}, "top_k"),
+        ({"model": MODEL, "prompt": "hi", "seed": 2**63}, "seed"),
+        ({"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+        ({"model": MODEL, "prompt": "hi", "stop_token_ids": [2**31]}, "stop_token_ids"),
+        # unknown fields, and documented extras with a value that would change something
+        ({"model": MODEL, "prompt": "hi", "temprature": 0.5}, "temprature"),
+        ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
     ],
 )
 def test_invalid_completion_requests_get_400_naming_the_field(app, body, param):
@@ -74,6 +99,188 @@ def test_invalid_chat_requests_get_400(app):
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": image}), 400, "messages")
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}),
                  400, "messages")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": "%s", "prompt": "\\ud800abc"}', "prompt"),
+        ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["\\udfff"]}', "stop"),
+        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800"}]}', "messages"),
+    ],
+)
+def test_a_lone_surrogate_in_any_text_gets_400_naming_the_field(app, path, body, param):
+    response = post(app, path, content=(body % MODEL).encode(), headers={"content-type": "application/json"})
+    assert_error(response, 400, param)
+
+
+def test_documented_extras_with_their_default_values_are_accepted(app):
+    body = {"model": MODEL, "prompt": "hi", "skip_special_tokens": True, "use_beam_search": False, "store": False,
+            "stream_options": {"include_usage": True, "include_obfuscation": False}, "user": "u"}  # fmt: skip
+    assert_error(post(app, "/v1/completions", json=body), 503, None, "service_unavailable")  # validated, then routed
+
+
+def test_prompt_plus_max_tokens_over_the_context_gets_400_with_both_numbers(redis_server, tokenizer):
+    frontend, _ = make_frontend(redis_server, max_model_len=64)
+    app = build_app(frontend, lambda: 0)
+    prompt = "The capital of France is"
+    num_prompt = len(tokenizer.encode(prompt))
+    response = post(app, "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 64 - num_prompt + 1})
+    assert_error(response, 400, "max_tokens")
+    message = response.json()["error"]["message"]
+    assert f"{num_prompt} in the prompt" in message and f"{64 - num_prompt + 1} to generate" in message
+    assert "holds 64 tokens" in message
+    fits = {"model": MODEL, "prompt": prompt, "max_tokens": 64 - num_prompt}
+    assert_error(post(app, "/v1/completions", json=fits), 503, None, "service_unavailable")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}  # default: the rest of the context
+    assert_error(post(app, "/v1/chat/completions", json=chat), 503, None, "service_unavailable")
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing(redis_server, monkeypatch):
+    frontend, _ = make_frontend(redis_server, max_model_len=64)
+    app = build_app(frontend, lambda: 0)
+    monkeypatch.setattr(frontend.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    longest = max(len(p.encode()) for p in frontend.tokenizer.backend.get_vocab())
+    response = post(app, "/v1/completions", json={"model": MODEL, "prompt": "a" * (64 * longest + 1)})
+    assert_error(response, 400, "prompt")
+
+
+def test_bodies_over_the_limit_get_413_declared_or_chunked(redis_server):
+    frontend, _ = make_frontend(redis_server)
+    app = build_app(frontend, lambda: 0, GuardSettings(max_body_bytes=1000))
+    body = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
+    assert_error(post(app, "/v1/completions", content=body, headers={"content-type": "application/json"}), 413, None)
+
+    async def chunks():
+        for i in range(0, len(body), 100):
+            yield body[i : i + 100]
+
+    response = post(app, "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(response, 413, None)
+
+
+def test_429_and_503_tell_the_client_when_to_retry(redis_server):
+    frontend, _ = make_frontend(redis_server, max_in_flight=1)
+    app = build_app(frontend, lambda: 0)
+    assert post(app, "/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 2}).headers["retry-after"] == "1"
+    assert post(app, "/v1/completions", json={"model": MODEL, "prompt": "hi"}).headers["retry-after"] == "1"
+
+
+def test_api_keys_guard_every_path_but_the_open_ones_on_http_and_grpc(redis_server):
+    frontend, _ = make_frontend(redis_server)
+    app = build_app(frontend, lambda: 0, GuardSettings(api_keys=("k1", "k2")))
+    body = {"model": MODEL, "prompt": "hi"}
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}, {"authorization": "k1"}):
+        response = post(app, "/v1/completions", json=body, headers=headers)
+        assert_error(response, 401, None)
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    for key in ("k1", "k2"):  # a valid key gets through to routing (no worker here: 503)
+        response = post(app, "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
+        assert_error(response, 503, None, "service_unavailable")
+    assert get(app, "/v1/models").status_code == 401
+    assert get(app, "/health").status_code == 503 and get(app, "/metrics").status_code == 200  # open
+    closed = build_app(frontend, lambda: 0, GuardSettings(api_keys=("k1",), open_paths=()))
+    assert get(closed, "/metrics").status_code == 401
+
+    async def grpc_codes():
+        server, port = create_server("127.0.0.1", 0, HealthReporter([]))
+        generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(frontend, ApiKeys(["k1"])), server)
+        await server.start()
+        codes = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = generate_pb2_grpc.GenerateStub(channel)
+                request = generate_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=4))
+                for metadata in ((), (("authorization", "Bearer k1"),)):
+                    try:
+                        async for _ in stub.Generate(request, metadata=metadata):
+                            pass
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+        finally:
+            await server.stop(None)
+        return codes
+
+    assert asyncio.run(grpc_codes()) == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE]
+
+
+def test_tokenize_detokenize_and_version(app, tokenizer):
+    text = "Hello, wonderful world!"
+    response = post(app, "/tokenize", json={"model": MODEL, "prompt": text})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == tokenizer.encode(text) and response.json()["count"] == len(
+        tokenizer.encode(text)
+    )
+    plain = post(app, "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert post(app, "/detokenize", json={"tokens": plain}).json() == {"prompt": text}
+    chat = post(app, "/tokenize", json={"messages": [{"role": "user", "content": text}]}).json()["tokens"]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    assert chat == tokenizer.encode(rendered, add_special_tokens=False)
+    assert_error(post(app, "/tokenize", json={"prompt": text, "messages": []}), 400, "prompt")
+    assert_error(post(app, "/tokenize", json={"prompt": text, "extra": 1}), 400, "extra")
+    assert_error(post(app, "/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    assert get(app, "/version").json()["version"] == importlib.metadata.version("moemesh")
+
+
+def test_a_stream_that_fails_sends_an_error_event_then_done(redis_server, monkeypatch):
+    frontend, _ = make_frontend(redis_server)
+    app = build_app(frontend, lambda: 1)
+
+    async def failing_run(inputs):
+        yield ChoiceDelta(0, 0, Delta(text="Hi", token_ids=[1]))
+        raise WorkerFailedError("decode-0 failed after 1 token")
+
+    monkeypatch.setattr(frontend, "run", failing_run)
+    response = post(app, "/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "Hi"
+    assert json.loads(events[1])["error"]["type"] == "service_unavailable"
+    assert events[2:] == ["[DONE]"]
+
+
+def test_a_bug_in_a_route_is_an_openai_500_and_the_connection_stays_open(redis_server, monkeypatch):
+    frontend, _ = make_frontend(redis_server)
+
+    async def broken(prompt, add_special_tokens=True):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(frontend, "tokenize", broken)
+    with serve_http(build_app(frontend, lambda: 0)) as port:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = json.dumps({"model": MODEL, "prompt": "hi"})
+        connection.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 500 and json.loads(response.read())["error"]["type"] == "server_error"
+        assert response.getheader("connection") != "close"
+        connection.request("GET", "/v1/models")  # the same kept-alive connection
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["data"][0]["id"] == MODEL
+        connection.close()
+
+
+@contextlib.contextmanager
+def serve_http(app):
+    """`app` on a real uvicorn server on a free loopback port, in a thread."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def get(app, path: str, **kwargs) -> httpx.Response:
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.get(path, **kwargs)
+
+    return asyncio.run(call())
 
 
 def test_malformed_json_gets_400(app):
