@@ -47,7 +47,7 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
         make_policy(RoutingSettings("kv_aware" if routing.policy == "kv_aware" else "least_loaded",
                                     routing.prefill_weight, 0.0)),
         settings.block_size, routing.disaggregated, settings.decode_endpoints, settings.prefill_endpoints,
-        settings.refresh_interval_s, missing_grace_s=settings.mesh.heartbeat_ttl_s,
+        settings.refresh_interval_s, missing_grace_s=settings.mesh.heartbeat_ttl_s, self_id=settings.router_id,
     )  # fmt: skip
     extra = HashExtra(model_id=checkpoint.model_id, cache_salt=settings.cache_salt)
     tokenizer = checkpoint.tokenizer or TokenIdsOnlyTokenizer()  # no tokenizer.json: token-id prompts only

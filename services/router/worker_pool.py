@@ -4,8 +4,10 @@ router has in flight), and which prompt prefixes each holds (prefix index + rece
 Redis outages: when a registry poll or an index lookup fails, the pool logs once, keeps the last
 worker list (plus static endpoints), skips index lookups and routes on its own view (in-flight
 counts, recent routes) until a poll succeeds again; the view is then rebuilt from the registry.
-A registry that comes back empty (Redis restarted without data) does not drop known workers at
-once: they get `missing_grace_s` to heartbeat again.
+A registry that lost its data (Redis restarted empty: not even this router's own record, `self_id`,
+is listed) does not drop known workers at once: they get `missing_grace_s` to heartbeat again.
+Otherwise a worker leaves the view as soon as its record expires, so readiness (`live`) follows
+the registry's TTL.
 
 Callers: the router's refresh task calls `run()`; the dispatcher calls `route(...)` per request,
 `begin` / `end` around each call to a worker and `mark_down` when a worker fails.
@@ -47,6 +49,17 @@ class WorkerState:
     down_until: float = 0.0  # after a failure: not chosen before this time
     static: bool = False
     last_seen: float = 0.0  # when the registry last listed it
+    heartbeat_at: float = 0.0  # its last heartbeat's stamp (the registry record's updated_at)
+    failed_beat: float | None = None  # heartbeat_at when a call to it last failed
+
+    def is_down(self, now: float, registry_ok: bool) -> bool:
+        """Down for `down_s` after a failure; and while the registry answers, a registered worker
+        that failed stays down until it heartbeats again: a dead process never does, so it leaves
+        the view (and readiness) when its record expires instead of coming back every `down_s`."""
+        if self.down_until > now:
+            return True
+        return (registry_ok and not self.static and self.failed_beat is not None
+                and self.heartbeat_at == self.failed_beat)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class WorkerPool:
         down_s: float = 5.0,
         missing_grace_s: float = 15.0,
         clock=time.monotonic,
+        self_id: str | None = None,
     ):
         self.client = client
         self.mesh = mesh
@@ -136,6 +150,7 @@ class WorkerPool:
         self.down_s = down_s
         self.missing_grace_s = missing_grace_s
         self.clock = clock
+        self.self_id = self_id  # this router's own registry record, the sign the registry is intact
         self.recent = RecentRoutes()
         self.workers: dict[str, WorkerState] = {}
         for role, endpoints in (("decode", static_decode), ("prefill", static_prefill)):
@@ -180,9 +195,11 @@ class WorkerPool:
                     state.static = True
             state.num_queued = record.num_queued
             state.num_blocks_used = record.num_blocks_used
+            state.heartbeat_at = record.updated_at
             state.last_seen = self.clock()
             seen.add(record.worker_id)
-        grace = self.missing_grace_s if not records else 0.0  # empty: Redis may have lost its data
+        lost = not records or (self.self_id is not None and all(r.worker_id != self.self_id for r in records))
+        grace = self.missing_grace_s if lost else 0.0  # Redis may have lost its data
         now = self.clock()
         for worker_id, state in list(self.workers.items()):
             if worker_id in seen or state.static or state.in_flight or now - state.last_seen < grace:
@@ -199,7 +216,9 @@ class WorkerPool:
     def live(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[WorkerState]:
         now = self.clock()
         return [
-            w for w in self.workers.values() if w.role in roles and w.down_until <= now and w.worker_id not in exclude
+            w
+            for w in self.workers.values()
+            if w.role in roles and not w.is_down(now, self.redis_ok) and w.worker_id not in exclude
         ]
 
     async def cached_prefixes(self, chain: Sequence[BlockHash]) -> dict[str, int]:
@@ -280,6 +299,7 @@ class WorkerPool:
 
     def mark_down(self, worker: WorkerState) -> None:
         worker.down_until = self.clock() + self.down_s
+        worker.failed_beat = worker.heartbeat_at  # only a newer heartbeat (any stamp: no clock skew) clears it
         self.recent.forget(worker.worker_id)
         logger.warning("worker %s (%s) failed; not routing to it for %.0f s", worker.worker_id, worker.endpoint,
                        self.down_s)  # fmt: skip

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
+from moemesh.common import registry
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.redis_client import connect
 from moemesh.common.settings import MeshSettings
@@ -281,6 +282,36 @@ def get(app, path: str, **kwargs) -> httpx.Response:
             return await client.get(path, **kwargs)
 
     return asyncio.run(call())
+
+
+def test_health_follows_the_registry_ttl_when_the_last_decode_worker_dies_and_comes_back(redis_server):
+    ttl = 2.0
+    mesh = MeshSettings(mesh="health-ttl", redis_url=redis_server.url, heartbeat_ttl_s=60.0)
+    frontend, pool = build_frontend(RouterSettings(router_id="router-h", mesh=mesh), connect(redis_server.url),
+                                    ChannelPool())  # fmt: skip
+    app = build_app(frontend, lambda: len(pool.live(("decode", "both"))))
+    client = connect(redis_server.url)
+    registry.heartbeat(client, mesh.mesh, registry.WorkerRecord("router-h", "router", "127.0.0.1:1", MODEL), 60.0)
+    decode = registry.WorkerRecord("decode-h", "decode", "127.0.0.1:2", MODEL)
+
+    async def health_after_refresh() -> int:
+        await pool.refresh()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+            return (await http.get("/health")).status_code
+
+    registry.heartbeat(client, mesh.mesh, decode, ttl)
+    last_beat = time.monotonic()
+    assert asyncio.run(health_after_refresh()) == 200
+    while asyncio.run(health_after_refresh()) == 200:  # the worker is gone: no more heartbeats
+        assert time.monotonic() - last_beat < 60, "/health stayed 200"
+    assert time.monotonic() - last_beat <= ttl + 2.0  # its TTL (the empty-registry grace does not apply)
+    registry.heartbeat(client, mesh.mesh, decode, 60.0)  # a decode worker comes back
+    assert asyncio.run(health_after_refresh()) == 200
+    pool.down_s = 0.0  # a failed call: down until the worker heartbeats again, however short down_s is
+    pool.mark_down(pool.workers["decode-h"])
+    assert asyncio.run(health_after_refresh()) == 503
+    registry.heartbeat(client, mesh.mesh, decode, 60.0)
+    assert asyncio.run(health_after_refresh()) == 200
 
 
 def test_malformed_json_gets_400(app):
