@@ -8,6 +8,12 @@ them (`placement_apply`) and waits until they serve it; then the prefill and dec
 waits until each answers SERVING on grpc.health.v1, then the router, and waits for its
 `/health`. `stop()` sends SIGTERM to the router, then the workers (graceful shutdown), kills
 whatever is left after a timeout, and stops Redis. Nothing is left running, also on errors.
+
+`supervise()` is the kubelet's restart policy for `moemesh up`: a process that exits (a worker,
+an expert worker, the router, or the Redis this cluster started) is started again with the same
+arguments and ports after a back-off that doubles from `restart_backoff_s` up to
+`max_restart_backoff_s` and resets once it has run `stable_after_s`. Processes stopped through
+`stop_service` are left alone.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class ClusterSpec:
     trace_dir: str | None = None  # spans as JSON lines per service
     otlp_endpoint: str | None = None  # every service exports spans over OTLP/gRPC here
     start_timeout_s: float = 300.0
+    restart_backoff_s: float = 1.0  # supervise(): the first restart's delay, doubled per crash
+    max_restart_backoff_s: float = 30.0
+    stable_after_s: float = 60.0  # running this long resets the back-off
 
 
 @dataclass
@@ -65,6 +74,11 @@ class Service:
     process: subprocess.Popen | None = None
     log_path: str | None = None
     extra: dict = field(default_factory=dict)
+    started_at: float = 0.0  # time.monotonic() of the last launch
+    restarts: int = 0
+    restart_at: float | None = None  # a restart is due then (supervise)
+    backoff_s: float = 0.0  # the next restart's delay
+    stopped: bool = False  # stopped on purpose: not restarted
 
     @property
     def alive(self) -> bool:
@@ -230,9 +244,43 @@ class LocalCluster:
             service.log_path = os.path.join(self.spec.log_dir, f"{service.name}.log")
             out = open(service.log_path, "ab")  # noqa: SIM115 - owned by the child
         service.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None)
+        service.started_at = time.monotonic()
+        service.stopped = False
         if out is not None:
             out.close()
         self.services[service.name] = service
+
+    # -- supervision -------------------------------------------------------------------------
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart what died, after its back-off; returns what it did, one line per event."""
+        now = time.monotonic() if now is None else now
+        spec = self.spec
+        events = []
+        if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+            code = self.redis.process.returncode
+            try:
+                self.redis.start()
+                events.append(f"redis exited with status {code}; restarted on port {self.redis.port}")
+            except RuntimeError as e:
+                events.append(f"redis exited with status {code}; restart failed: {e}")
+        for service in list(self.services.values()):
+            if service.stopped or service.process is None:
+                continue
+            if service.alive:
+                if service.restarts and now - service.started_at >= spec.stable_after_s:
+                    service.backoff_s = 0.0  # stable again: the next crash restarts at once-ish
+                continue
+            if service.restart_at is None:
+                service.backoff_s = min(max(service.backoff_s * 2, spec.restart_backoff_s), spec.max_restart_backoff_s)
+                service.restart_at = now + service.backoff_s
+                events.append(f"{service.name} exited with status {service.process.returncode}; restarting in "
+                              f"{service.backoff_s:g} s")  # fmt: skip
+            elif now >= service.restart_at:
+                service.restart_at = None
+                service.restarts += 1
+                self._launch(service)
+                events.append(f"{service.name} restarted (restart {service.restarts})")
+        return events
 
     def add_worker(self, name: str, role: str, num_threads: int = 1, port: int | None = None) -> Service:
         """Start one more worker (tests: replace a killed one) and wait until it serves."""
@@ -282,6 +330,7 @@ class LocalCluster:
         service = self.services.get(name)
         if service is None or service.process is None:
             return None
+        service.stopped = True
         if service.alive:
             service.process.send_signal(sig)
             try:
@@ -296,6 +345,7 @@ class LocalCluster:
             if service.role == "router":
                 self.stop_service(service.name, timeout_s=timeout_s)
         for service in self.services.values():  # all workers at once, then wait
+            service.stopped = True
             if service.alive:
                 service.process.send_signal(signal.SIGTERM)
         for name in list(self.services):

@@ -1,4 +1,6 @@
-"""`moemesh up`: the command line of the local cluster (`local_cluster.py`)."""
+"""`moemesh up`: the command line of the local cluster (`local_cluster.py`): refuses a busy port
+before loading anything, prints every service's endpoints and metrics URL, then supervises the
+processes (restarts with back-off, said on the console) until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 
 from moemesh.common.settings import SettingsError
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
+from moemesh.launcher.ports import port_in_use
 from moemesh.worker.settings import EXPERT_TRANSPORTS, add_speculation_arguments, speculation_settings
 
 
@@ -50,6 +53,15 @@ def speculation_args(args) -> tuple[str, ...]:
     return flags + (("--draft-model", spec.draft_model) if spec.draft_model else ())
 
 
+def print_endpoints(cluster: LocalCluster) -> None:
+    for service in cluster.services.values():
+        metrics = service.args[service.args.index("--metrics-port") + 1] if "--metrics-port" in service.args else None
+        where = service.http_url or service.grpc_endpoint
+        host = where.split("//")[-1].rsplit(":", 1)[0]
+        print(f"  {service.name:<12} {service.role:<8} {where}" + (f"  metrics http://{host}:{metrics}/metrics"
+                                                                      if metrics else ""), flush=True)  # fmt: skip
+
+
 def run_up(args) -> int:
     worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
     try:
@@ -67,6 +79,11 @@ def run_up(args) -> int:
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:
         print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)
         return 2
+    busy = [port for port in (args.port, args.grpc_port) if port and port_in_use(args.host, port)]
+    if busy:  # before anything loads (another cluster may answer on it)
+        print(f"moemesh: error: port {busy[0]} on {args.host} is in use (another moemesh up?); choose another "
+              f"with --port / --grpc-port", file=sys.stderr)  # fmt: skip
+        return 2
     cluster = LocalCluster(spec)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -75,11 +92,10 @@ def run_up(args) -> int:
         router = cluster.services["router"]
         print(f"moemesh is up: OpenAI API at {cluster.url}/v1 (gRPC Generate at {router.grpc_endpoint}); "
               "Ctrl-C stops it", flush=True)  # fmt: skip
+        print_endpoints(cluster)
         while not stopping:
-            dead = [s.name for s in cluster.services.values() if not s.alive]
-            if dead:
-                print(f"moemesh: error: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return 1
+            for event in cluster.supervise():  # a crashed process comes back, as a kubelet would do
+                print(f"moemesh: {event}", file=sys.stderr, flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

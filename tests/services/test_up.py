@@ -1,13 +1,16 @@
-"""`moemesh up` starts Redis, a router and workers as processes, prints the URL, serves, and a
-Ctrl-C (SIGINT to the process group, as a terminal sends it) stops every process it started."""
+"""`moemesh up` starts Redis, a router and workers as processes, prints the URL, serves, restarts
+what crashes (as a kubelet would), refuses a second cluster on its port before loading anything,
+and a Ctrl-C (SIGINT to the process group, as a terminal sends it) stops every process it started."""
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -51,25 +54,70 @@ def interrupt_and_wait_gone(up: subprocess.Popen, processes: set[int]) -> None:
     assert [p for p in processes if alive(p)] == []
 
 
-def test_moemesh_up_serves_and_ctrl_c_stops_everything(tmp_path):
+def test_moemesh_up_serves_restarts_what_crashes_and_ctrl_c_stops_everything(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--decode", "1", "--port", str(port),
                "--kv-memory-gib", "0.05", "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = LineReader(up.stdout)
     try:
-        line = up.stdout.readline()
+        line = output.next_line(timeout_s=600)
         assert re.match(rf"moemesh is up: OpenAI API at http://127\.0\.0\.1:{port}/v1 ", line), line
         processes = children_of(up.pid)
         assert len(processes) == 3  # redis-server, worker, router
+        assert re.search(r"worker-0 +both +127\.0\.0\.1:\d+ +metrics http://127\.0\.0\.1:\d+/metrics",
+                         output.wait_for(lambda text: "worker-0" in text))  # fmt: skip
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         assert client.completions.create(model=model, prompt="Hello", max_tokens=3).choices[0].text
-        interrupt_and_wait_gone(up, processes)
-        assert "moemesh: stopping" in up.stdout.read()
+
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in second.stderr, second.stderr
+        assert "moemesh is up" not in second.stdout
+
+        worker, redis = (pid_with(processes, marker) for marker in ("--role both", "redis-server"))
+        os.kill(worker, signal.SIGKILL)
+        os.kill(redis, signal.SIGKILL)
+        output.wait_for(lambda text: "worker-0 restarted (restart 1)" in text and "redis exited" in text)
+        deadline = time.monotonic() + 300  # an upper bound: the restarted worker loads the model again
+        while True:  # served again once the new worker registers and its channel reconnects
+            try:
+                assert client.completions.create(model=model, prompt="Hello", max_tokens=3).choices[0].text
+                break
+            except openai.APIStatusError as e:
+                assert e.status_code == 503 and time.monotonic() < deadline, e
+                time.sleep(0.5)
+        interrupt_and_wait_gone(up, processes | children_of(up.pid))
+        assert "moemesh: stopping" in output.wait_for(lambda text: "moemesh: stopping" in text)
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+class LineReader:
+    """A process's output lines, read on a thread so a test can wait for one with a bound."""
+
+    def __init__(self, stream):
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.text = ""
+        threading.Thread(target=lambda: [self.lines.put(line) for line in stream], daemon=True).start()
+
+    def next_line(self, timeout_s: float = 300) -> str:
+        line = self.lines.get(timeout=timeout_s)
+        self.text += line
+        return line
+
+    def wait_for(self, predicate, timeout_s: float = 300) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self.text):
+            self.next_line(max(deadline - time.monotonic(), 0.01))
+        return self.text
+
+
+def pid_with(pids: set[int], marker: str) -> int:
+    (pid,) = [p for p in pids if marker in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
+    return pid
 
 
 def test_up_checks_speculation_flags_before_starting_anything_and_hands_them_to_workers():
