@@ -199,6 +199,8 @@ class RouterMetrics:
                                      registry=self.registry).labels(**labels)  # fmt: skip
         self.cached_tokens = Counter("moemesh:router_cached_prompt_tokens", "Prompt tokens served from a prefix cache.",
                                      names, registry=self.registry).labels(**labels)  # fmt: skip
+        self.migrations = Counter("moemesh:router_migrations", "Requests resumed on another decode worker mid-stream.",
+                                  names, registry=self.registry).labels(**labels)  # fmt: skip
         self.redis_up = Gauge("moemesh:router_redis_up", "1 while Redis answers.", names,
                               registry=self.registry).labels(**labels)  # fmt: skip
         self.decision_seconds = Histogram("moemesh:router_decision_seconds", "Routing decision time.", names,

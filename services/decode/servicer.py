@@ -62,8 +62,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         span.set_attribute("moemesh.worker_id", self.worker_id)
         span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         ctx = telemetry.child_context(span)
-        remote = self.remote_params if request.prefill_endpoint else None
-        events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params, remote_prefill=remote)
+        resume = list(request.resume_token_ids)  # a migrated request: prefilled here with its earlier tokens
+        remote = self.remote_params if request.prefill_endpoint and not resume else None
+        events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
+                                      remote_prefill=remote, resume_token_ids=resume)  # fmt: skip
         num_remote_tokens = 0
         last = first_token = scheduled = None
         num_generated, finish_reason = 0, "abort"
@@ -82,7 +84,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                         continue
                     now = time.monotonic()
                     scheduled = event.scheduled_time or scheduled
-                    num_generated = len(event.token_ids)
+                    num_generated = len(event.token_ids) - len(resume)
                     if last is None:
                         first_token = now
                         self.metrics.observe_ttft(now - arrival)
@@ -142,7 +144,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             worker_id=self.worker_id,
         )
         if output.logprobs is not None and output.new_token_ids:  # several new tokens with speculation
-            new = output.logprobs[len(output.token_ids) - len(output.new_token_ids) :]
+            new = output.logprobs[-len(output.new_token_ids) :]  # (a resumed request has none for its earlier ones)
             response.logprobs.extend(logprob_to_proto(lp) for lp in new)
         if output.finished:
             response.finish_reason = FINISH_REASONS[output.finish_reason]

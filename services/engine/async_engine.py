@@ -114,6 +114,7 @@ class AsyncEngine:
         *,
         remote_prefill: RemotePrefillParams | None = None,
         kv_export_start: int | None = None,
+        resume_token_ids: list[int] = (),
     ) -> AsyncIterator[EngineEvent]:
         events: asyncio.Queue = asyncio.Queue()
         if request_id in self._queues:
@@ -129,6 +130,7 @@ class AsyncEngine:
                     remote_prefill=remote_prefill,
                     kv_export_start=kv_export_start,
                     detokenize=False,
+                    resume_token_ids=resume_token_ids,
                 )  # fmt: skip
             )
             while not done:

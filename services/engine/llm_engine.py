@@ -95,11 +95,14 @@ class LLMEngine:
         remote_prefill: RemotePrefillParams | None = None,
         kv_export_start: int | None = None,
         detokenize: bool = True,
+        resume_token_ids: list[int] = (),
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError naming the bad field.
         `remote_prefill`: a decode worker may get the prompt's KV from a prefill worker.
         `kv_export_start`: a prefill worker keeps the KV from that token for `export_kv`.
-        `detokenize=False`: no text or stop strings here (a worker; the router detokenizes)."""
+        `detokenize=False`: no text or stop strings here (a worker; the router detokenizes).
+        `resume_token_ids`: output tokens another worker generated (a migrated request): it is
+        admitted like a preempted one, its prompt and these tokens prefilled, and continues."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -110,7 +113,16 @@ class LLMEngine:
                 f"kv_export_start must be in [0, {len(prompt_token_ids)}), got {kv_export_start}",
                 param="kv_export_start",
             )
+        resume = list(resume_token_ids)
+        if resume and (len(resume) >= sampling_params.max_tokens or remote_prefill is not None or
+                       len(prompt_token_ids) + len(resume) >= self.max_model_len):  # fmt: skip
+            raise InvalidRequestError(
+                f"{len(resume)} resumed tokens leave nothing to generate (max_tokens {sampling_params.max_tokens}, "
+                f"context {self.max_model_len}) or come with a remote prefill", param="resume_token_ids")  # fmt: skip
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in resume):
+            raise InvalidRequestError("resumed token ids must be in the vocabulary", param="resume_token_ids")
         request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
+        request.output_token_ids = resume
         request.remote_prefill = remote_prefill
         request.kv_export_start = kv_export_start
         self._requests[request_id] = request

@@ -2,9 +2,14 @@
 incrementally, apply stop strings, and stream deltas back to the API layer.
 
 A worker that fails before sending any token is marked down and the request is retried on
-another one (up to `max_attempts`); a failure after tokens were streamed ends the request with
-`WorkerFailedError` (the client sees an error at once). Leaving the iteration early (client gone,
-stop string) cancels the worker call, which aborts the request on every worker.
+another one (up to `max_attempts`). A worker that fails (or gives the request up, as a draining
+one does) after tokens were streamed is replaced by migration: another decode worker gets the
+prompt plus the tokens already sent (`resume_token_ids`), prefills them itself (its prefix cache
+helps), and continues with the same max_tokens, stop checks and seed (its generator is
+fast-forwarded past the sent tokens' draws), so the client sees one uninterrupted stream with no
+repeated or missing token. At most `max_migrations` per request; each is a span event
+("migrated") and counts in `moemesh:router_migrations_total`. Leaving the iteration early (client
+gone, stop string) cancels the worker call, which aborts the request on every worker.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from moemesh.common.block_hash import HashExtra, hash_block_chain
 from moemesh.common.grpc_util import ChannelPool
 from moemesh.common.metrics import RouterMetrics
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from moemesh.router.worker_pool import NoWorkerError, WorkerPool
+from moemesh.router.worker_pool import NoWorkerError, Route, WorkerPool
 from moemesh.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,18 @@ class WorkerFailedError(Unavailable):
     """The decode worker failed after tokens were streamed."""
 
 
+class _WorkerLost(Exception):
+    """The decode worker failed or gave the request up; another one can take over."""
+
+
+@dataclass
+class _Stream:
+    """What the client has been sent so far, across attempts and migrations."""
+
+    detok: IncrementalDetokenizer
+    sent: list[int] = field(default_factory=list)  # output token ids streamed
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     request_id: str
@@ -88,7 +105,7 @@ class Delta:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, channels: ChannelPool, tokenizer, extra: HashExtra, metrics: RouterMetrics,
-                 max_attempts: int = 3, first_token_timeout_s: float = 120.0):  # fmt: skip
+                 max_attempts: int = 3, first_token_timeout_s: float = 120.0, max_migrations: int = 3):  # fmt: skip
         self.pool = pool
         self.channels = channels
         self.tokenizer = tokenizer
@@ -96,6 +113,7 @@ class Dispatcher:
         self.metrics = metrics
         self.max_attempts = max_attempts
         self.first_token_timeout_s = first_token_timeout_s
+        self.max_migrations = max_migrations
         self._tracer = telemetry.tracer("moemesh.router")
 
     def block_chain(self, prompt_token_ids: list[int]):
@@ -106,46 +124,69 @@ class Dispatcher:
         span.set_attribute("moemesh.request_id", request.request_id)
         span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         ctx = telemetry.child_context(span)
+        stream = _Stream(IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids))
         try:
             chain = self.block_chain(request.prompt_token_ids)
             cached = await self.pool.cached_prefixes(chain)
             excluded: set[str] = set()
-            for attempt in range(self.max_attempts):
+            attempts = migrations = 0
+            while True:
                 started = time.perf_counter()
                 try:
                     route = self.pool.choose(chain, len(request.prompt_token_ids), cached, excluded)
                 except NoWorkerError as e:
+                    if stream.sent:
+                        raise WorkerFailedError(f"{e}: the request could not be migrated") from None
                     raise Unavailable(str(e)) from None
+                if stream.sent:  # a migrated request prefills its prompt and the sent tokens itself
+                    route = Route(route.decode, None, route.cached_blocks)
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
                 span.set_attribute("moemesh.decode_worker", route.decode.worker_id)
                 span.set_attribute("moemesh.cached_blocks", route.cached_blocks)
-                streamed = False
-                async with contextlib.aclosing(self._call(request, route, chain, cached, ctx)) as deltas:
-                    async for delta in deltas:
-                        if delta is None:  # failed before any token: retry elsewhere
-                            break
-                        streamed = True
-                        yield delta
-                if streamed:
+                sent_before = len(stream.sent)
+                try:
+                    async with contextlib.aclosing(self._call(request, route, chain, cached, ctx, stream)) as deltas:
+                        async for delta in deltas:
+                            yield delta
                     return
-                excluded.add(route.decode.worker_id)
-                logger.info("request %s: retrying after decode worker %s failed (attempt %d)",
-                            request.request_id, route.decode.worker_id, attempt + 1)  # fmt: skip
-            raise Unavailable(f"no decode worker could serve the request after {self.max_attempts} attempts")
+                except _WorkerLost as lost:
+                    excluded.add(route.decode.worker_id)
+                    if not stream.sent:  # failed before any token: retry elsewhere
+                        attempts += 1
+                        if attempts >= self.max_attempts:
+                            raise Unavailable(f"no decode worker could serve the request after {attempts} "
+                                              f"attempts ({lost})") from None  # fmt: skip
+                        logger.info("request %s: retrying after decode worker %s failed (attempt %d)",
+                                    request.request_id, route.decode.worker_id, attempts)  # fmt: skip
+                        continue
+                    if migrations >= self.max_migrations:
+                        raise WorkerFailedError(f"{lost} after {len(stream.sent)} tokens; {migrations} migrations "
+                                                f"already (the most allowed)") from None  # fmt: skip
+                    migrations += 1
+                    self.metrics.migrations.inc()
+                    span.add_event("migrated", {"moemesh.from_worker": route.decode.worker_id,
+                                                "moemesh.num_sent_tokens": len(stream.sent),
+                                                "moemesh.reason": str(lost)})  # fmt: skip
+                    logger.warning("request %s: %s after %d tokens (%d on it); migrating (%d of at most %d)",
+                                   request.request_id, lost, len(stream.sent), len(stream.sent) - sent_before,
+                                   migrations, self.max_migrations)  # fmt: skip
         except RouterError as e:
             span.set_attribute("moemesh.error", str(e))
             raise
         finally:
             span.end()
 
-    async def _call(self, request: GenerateInput, route, chain, cached, ctx) -> AsyncIterator[Delta | None]:
-        """Deltas of one attempt; a single None if the worker failed before the first token."""
+    async def _call(self, request: GenerateInput, route: Route, chain, cached, ctx,
+                    stream: _Stream) -> AsyncIterator[Delta]:  # fmt: skip
+        """Deltas of one attempt; raises _WorkerLost when the worker fails in a way another worker
+        can make up for (before the first token: a retry; after: a migration)."""
         worker = route.decode
         call_request = decode_pb2.WorkerGenerateRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
+            resume_token_ids=stream.sent,
         )
         stub = decode_pb2_grpc.DecodeWorkerStub(self.channels.get(worker.endpoint))
         call = stub.Generate(call_request, metadata=telemetry.inject_metadata(ctx))
@@ -153,41 +194,45 @@ class Dispatcher:
         self.metrics.route(worker.worker_id, "decode")
         if route.prefill is not None:
             self.metrics.route(route.prefill.worker_id, "prefill")
-        detok = IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids)
-        num_output = 0
+        num_new = 0  # tokens of this attempt
         started = last = time.monotonic()
         try:
-            stream = call.__aiter__()
+            messages = call.__aiter__()
             while True:
                 try:
-                    timeout = self.first_token_timeout_s if num_output == 0 else None
-                    message = await asyncio.wait_for(stream.__anext__(), timeout)
+                    timeout = self.first_token_timeout_s if num_new == 0 else None
+                    message = await asyncio.wait_for(messages.__anext__(), timeout)
                 except StopAsyncIteration:
-                    raise Unavailable(f"decode worker {worker.worker_id} ended the stream early") from None
+                    raise _WorkerLost(f"decode worker {worker.worker_id} ended the stream early") from None
                 except TimeoutError:
+                    if stream.sent:
+                        raise _WorkerLost(
+                            f"no token from {worker.worker_id} in {self.first_token_timeout_s} s"
+                        ) from None
                     raise Unavailable(
                         f"no first token from {worker.worker_id} in {self.first_token_timeout_s} s"
                     ) from None
                 now = time.monotonic()
-                if num_output == 0:
-                    self.metrics.ttft.observe(now - started)
+                if num_new == 0:
+                    if not stream.sent:
+                        self.metrics.ttft.observe(now - started)
                     self.pool.end_prefill(route, charge)
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
-                delta = self._delta(detok, message, num_output, len(request.prompt_token_ids))
-                if delta.finish_reason == "abort":
-                    raise WorkerFailedError(f"decode worker {worker.worker_id} aborted the request")
-                num_output = delta.num_output_tokens
+                if FINISH_REASONS.get(message.finish_reason) == "abort":  # e.g. a draining worker gave it up
+                    raise _WorkerLost(f"decode worker {worker.worker_id} aborted the request")
+                delta = self._delta(stream.detok, message, len(stream.sent), len(request.prompt_token_ids))
+                num_new += len(delta.token_ids)
+                stream.sent.extend(delta.token_ids)
                 yield delta
                 if delta.finish_reason is not None:
                     return
         except grpc.aio.AioRpcError as e:
-            if num_output == 0 and e.code() in _RETRYABLE:
+            if e.code() in _RETRYABLE:
                 self.pool.mark_down(worker)
-                yield None
-                return
-            raise _rpc_error(e, worker.worker_id, streamed=num_output > 0) from None
+                raise _WorkerLost(f"decode worker {worker.worker_id} failed ({e.code().name}: {e.details()})") from None
+            raise _rpc_error(e, worker.worker_id, streamed=bool(stream.sent)) from None
         finally:
             call.cancel()  # a no-op when the call completed; else aborts it on the workers
             self.pool.end(route, charge)
@@ -210,7 +255,7 @@ class Dispatcher:
             finish_reason=finish,
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_output + len(token_ids),
-            num_cached_tokens=message.num_cached_tokens,
+            num_cached_tokens=min(message.num_cached_tokens, num_prompt),  # a resumed call counts sent tokens too
             worker_id=message.worker_id,
         )
 

@@ -52,7 +52,8 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
     extra = HashExtra(model_id=checkpoint.model_id, cache_salt=settings.cache_salt)
     tokenizer = checkpoint.tokenizer or TokenIdsOnlyTokenizer()  # no tokenizer.json: token-id prompts only
     dispatcher = Dispatcher(pool, channels, tokenizer, extra, metrics,
-                            first_token_timeout_s=settings.first_token_timeout_s)  # fmt: skip
+                            first_token_timeout_s=settings.first_token_timeout_s,
+                            max_migrations=settings.max_migrations)  # fmt: skip
     vocab = int(checkpoint.hf_config.get("vocab_size") or tokenizer.vocab_size)
     frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight)
     return frontend, pool

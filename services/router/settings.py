@@ -49,9 +49,14 @@ class RouterSettings:
     refresh_interval_s: float = 0.5  # registry poll
     max_in_flight: int = 1024  # more concurrent requests -> HTTP 429
     first_token_timeout_s: float = 120.0
+    max_migrations: int = 3  # per request: resumptions on another decode worker after a mid-stream failure
     guard: GuardSettings = field(default_factory=GuardSettings)  # API keys, open paths, body limit
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     mesh: MeshSettings = field(default_factory=MeshSettings)
+
+    def __post_init__(self):
+        check(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
+        check(self.max_in_flight > 0, f"max_in_flight must be > 0, got {self.max_in_flight}")
 
 
 def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings:
@@ -71,6 +76,7 @@ def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings
         decode_endpoints=tuple(args.decode_endpoint),
         prefill_endpoints=tuple(args.prefill_endpoint),
         max_in_flight=args.max_in_flight,
+        max_migrations=args.max_migrations,
         guard=GuardSettings(
             api_keys=keys_from(args.api_key, env.get(API_KEY_ENV)),
             open_paths=tuple(args.open_path) if args.open_path is not None else OPEN_PATHS,
@@ -97,6 +103,9 @@ def add_router_arguments(parser) -> None:
     router.add_argument("--decode-endpoint", action="append", default=[], help="static decode worker host:port")
     router.add_argument("--prefill-endpoint", action="append", default=[], help="static prefill worker host:port")
     router.add_argument("--max-in-flight", type=int, default=1024)
+    router.add_argument("--max-migrations", type=int, default=RouterSettings.max_migrations,
+                        help="per request: how often a stream may move to another decode worker when its "
+                             "worker fails mid-stream (0: never)")  # fmt: skip
     router.add_argument("--api-key", action="append", default=[],
                         help=f"a key clients must send as 'Authorization: Bearer <key>' (repeat for several; also "
                              f"${API_KEY_ENV}, comma-separated)")  # fmt: skip

@@ -26,7 +26,7 @@ from moemesh.proto.v1 import common_pb2 as moemesh_dot_v1_dot_common__pb2
 from moemesh.proto.v1 import telemetry_pb2 as moemesh_dot_v1_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moemesh/v1/decode.proto\x12\nmoemesh.v1\x1a\x17moemesh/v1/common.proto\x1a\x1amoemesh/v1/telemetry.proto\"\x8d\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.moemesh.v1.SamplingParams\x12\x18\n\x10prefill_endpoint\x18\x04 \x01(\t\"\xd9\x01\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.moemesh.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.moemesh.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12!\n\x19num_remote_prefill_tokens\x18\x05 \x01(\x05\x12\x11\n\tworker_id\x18\x06 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\x32\xdd\x01\n\x0c\x44\x65\x63odeWorker\x12S\n\x08Generate\x12!.moemesh.v1.WorkerGenerateRequest\x1a\".moemesh.v1.WorkerGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.moemesh.v1.AbortRequest\x1a\x19.moemesh.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.moemesh.v1.LoadRequest\x1a\x16.moemesh.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moemesh/v1/decode.proto\x12\nmoemesh.v1\x1a\x17moemesh/v1/common.proto\x1a\x1amoemesh/v1/telemetry.proto\"\xa7\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.moemesh.v1.SamplingParams\x12\x18\n\x10prefill_endpoint\x18\x04 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x05 \x03(\x05\"\xd9\x01\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.moemesh.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.moemesh.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12!\n\x19num_remote_prefill_tokens\x18\x05 \x01(\x05\x12\x11\n\tworker_id\x18\x06 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\x32\xdd\x01\n\x0c\x44\x65\x63odeWorker\x12S\n\x08Generate\x12!.moemesh.v1.WorkerGenerateRequest\x1a\".moemesh.v1.WorkerGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.moemesh.v1.AbortRequest\x1a\x19.moemesh.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.moemesh.v1.LoadRequest\x1a\x16.moemesh.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moemesh.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERGENERATEREQUEST']._serialized_start=93
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=234
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=237
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=454
-  _globals['_ABORTREQUEST']._serialized_start=456
-  _globals['_ABORTREQUEST']._serialized_end=491
-  _globals['_ABORTRESPONSE']._serialized_start=493
-  _globals['_ABORTRESPONSE']._serialized_end=529
-  _globals['_DECODEWORKER']._serialized_start=532
-  _globals['_DECODEWORKER']._serialized_end=753
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=260
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=263
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=480
+  _globals['_ABORTREQUEST']._serialized_start=482
+  _globals['_ABORTREQUEST']._serialized_end=517
+  _globals['_ABORTRESPONSE']._serialized_start=519
+  _globals['_ABORTRESPONSE']._serialized_end=555
+  _globals['_DECODEWORKER']._serialized_start=558
+  _globals['_DECODEWORKER']._serialized_end=779
 # @@protoc_insertion_point(module_scope)
