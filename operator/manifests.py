@@ -16,6 +16,7 @@ gets POD_NAME / POD_NAMESPACE / POD_IP and MOEMESH_REDIS_PASSWORD (from a Secret
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from moemesh.operator.spec import MeshSpec
@@ -29,6 +30,10 @@ GRPC_PORT = 50051
 HTTP_PORT = 8000
 METRICS_PORT = 9090
 CONFIG_PATH = "/etc/moemesh/mesh.json"
+# A deleted router pod keeps serving this long before SIGTERM (preStop), while its endpoint leaves
+# the Service; workers need none (they deregister from the registry the routers follow).
+ROUTER_PRESTOP_S = 5
+SHUTDOWN_MARGIN_S = 10  # after the drain: closing channels, the engine, Redis
 
 Manifest = dict[str, Any]
 CONTAINER_SECURITY = {
@@ -99,6 +104,7 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
         },
         "expert_worker_ids": expert_worker_ids(name, spec.roles["expert"].replicas),
         "expert_transport": spec.expert_transport,
+        "drain_seconds": spec.drain_s,
     }
     if spec.otlp_endpoint:
         settings["otlp_endpoint"] = spec.otlp_endpoint
@@ -129,6 +135,10 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
                 "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}},
             }
         )
+    if role == "router":
+        container_lifecycle = {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_S}}}
+    else:
+        container_lifecycle = None
     if role == "router" and spec.api_key_secret is not None:  # the keys clients must send (comma-separated)
         name_, key = spec.api_key_secret
         env.append({"name": "MOEMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": name_, "key": key}}})
@@ -159,6 +169,8 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
             *spec.model.source.mounts(),
         ],
     }
+    if container_lifecycle:
+        container["lifecycle"] = container_lifecycle
     role_spec = spec.roles[role]
     if role_spec.resources:
         container["resources"] = role_spec.resources
@@ -171,7 +183,10 @@ def _pod_template(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] 
     role_spec = spec.roles[role]
     pod_spec: dict[str, Any] = {
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        # SIGTERM: the process drains for spec.drainSeconds (after the router's preStop pause), then exits
+        "terminationGracePeriodSeconds": math.ceil(spec.drain_s)
+        + (ROUTER_PRESTOP_S if role == "router" else 0)
+        + SHUTDOWN_MARGIN_S,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 1000,

@@ -100,6 +100,7 @@ class MeshSpec:
     expert_transport: str = "grpc-stream"  # spec.expertTransport: the workers' expert data plane
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets[*].name, on every pod
     api_key_secret: tuple[str, str] | None = None  # spec.apiKeySecretRef (name, key): the router's API keys
+    drain_s: float = 30.0  # spec.drainSeconds: SIGTERM -> in-flight requests may finish this long
 
     def policy_for(self, role: str) -> ScalingPolicy:
         role_spec = self.roles[role]
@@ -286,6 +287,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         expert_transport=_expert_transport(spec),
         image_pull_secrets=tuple(ref["name"] for ref in _named_list(spec, "imagePullSecrets", "spec")),
         api_key_secret=_secret_ref(spec, "apiKeySecretRef", "spec", "api-key"),
+        drain_s=_float(spec, "drainSeconds", 30.0, "spec"),
     )
     try:
         _ = mesh.expert_layout  # validates the expert/EPLB combination

@@ -34,9 +34,11 @@ class MeshSettings:
     trace_file: str | None = None  # append finished spans as JSON lines (None: no export)
     otlp_endpoint: str | None = None  # export spans over OTLP/gRPC to this collector (host:port)
     parent_pid: int | None = None  # stop when this process (a launcher) is gone
+    drain_s: float = 30.0  # on SIGTERM: how long in-flight requests may run on (pods: terminationGracePeriodSeconds)
 
     def __post_init__(self):
         check(bool(self.mesh) and " " not in self.mesh, f"mesh must be a non-empty id, got {self.mesh!r}")
+        check(self.drain_s >= 0, f"drain_s must be >= 0, got {self.drain_s}")
         check(self.heartbeat_ttl_s > 0, f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
 
 
@@ -62,6 +64,7 @@ def mesh_settings(args, config: dict, env: Mapping[str, str]) -> MeshSettings:
         trace_file=args.trace_file,
         otlp_endpoint=pick(args.otlp_endpoint, config.get("otlp_endpoint"), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
         parent_pid=args.parent_pid,
+        drain_s=pick(args.drain_seconds, config.get("drain_seconds"), MeshSettings.drain_s),
     )
 
 
@@ -94,6 +97,9 @@ def add_common_arguments(parser) -> None:
         help="export spans over OTLP/gRPC to this collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
     parser.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits (launchers)")
+    parser.add_argument("--drain-seconds", type=float, default=None,
+                        help="on SIGTERM: stop taking requests and let in-flight ones finish this long (default 30; "
+                             "the router migrates what is left)")  # fmt: skip
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=None, help="bind address (default 0.0.0.0)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (router: client API, 0 = off)")

@@ -199,7 +199,7 @@ class ExpertWorker:
             pass
         self.servicer.stop_streams()
         self.servicer.data_plane.close()
-        await server.stop(s.shutdown_grace_s)
+        await server.stop(s.mesh.drain_s)  # in-flight calls finish (then are cancelled)
         await self.health.shutdown()
         self.servicer.close()
         self.redis.close()

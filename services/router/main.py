@@ -78,7 +78,7 @@ async def serve(settings: RouterSettings) -> None:
         logger.info("gRPC Generate API on %s:%d", settings.host, port)
     app = build_app(frontend, lambda: len(pool.live(DECODE_ROLES)), settings.guard)
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+                            timeout_graceful_shutdown=max(1, round(settings.mesh.drain_s)))  # fmt: skip
     logger.info("OpenAI API for %r on http://%s:%d/v1 (policy %s, %s)", frontend.model_name, settings.host,
                 settings.http_port, settings.routing.policy,
                 "disaggregated" if settings.routing.disaggregated else "aggregated")  # fmt: skip

@@ -191,7 +191,7 @@ class Worker:
             pass
         if self.publisher is not None:
             await self.publisher.close()
-        await server.stop(s.shutdown_grace_s)
+        await server.stop(s.mesh.drain_s)  # in-flight calls finish (then are cancelled)
         await self.health.shutdown()
         await self.engine.stop()
         self.experts.close()

@@ -133,7 +133,6 @@ class WorkerSettings:
     kv_transfer_timeout_s: float = 30.0
     kv_chunk_bytes: int = 1 << 20  # well under gRPC's 4 MiB message limit
     max_queued_requests: int = 256  # decode: more waiting -> RESOURCE_EXHAUSTED (HTTP 429)
-    shutdown_grace_s: float = 10.0
     mesh: MeshSettings = field(default_factory=MeshSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     expert: ExpertSettings = field(default_factory=ExpertSettings)

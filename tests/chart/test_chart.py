@@ -305,6 +305,30 @@ def test_the_api_key_secret_reaches_only_the_router_pods_and_their_settings(char
         parse_spec({**SAMPLE["spec"], "apiKeySecretRef": {"key": "k"}}, default_image="unused")
 
 
+@pytest.mark.parametrize("drain", [None, 0, 12.5])
+def test_the_drain_period_reaches_the_processes_and_the_pods_grace_period_covers_it(chart, crd, tmp_path, drain):
+    from moemesh.cli import build_parser
+    from moemesh.router.settings import router_settings
+    from moemesh.worker.settings import worker_settings
+
+    values = {} if drain is None else {"mesh": {"drainSeconds": drain}}
+    [mesh] = by_kind(render(chart, values), "InferenceMesh")
+    expected = 30 if drain is None else drain
+    assert mesh["spec"]["drainSeconds"] == expected
+    validate_cr(crd, mesh)
+    spec = parse_spec(mesh["spec"], default_image="unused")
+    config = tmp_path / "mesh.json"
+    config.write_text(manifests.config_map(spec, "m", "ns", "uid", "redis://r")["data"]["mesh.json"])
+    for role, to_settings in (("router", router_settings), ("decode", worker_settings)):
+        pod = manifests.workload(spec, "m", "ns", "uid", role, 1, None)["spec"]["template"]["spec"]
+        argv = [a.replace(manifests.CONFIG_PATH, str(config)) for a in pod["containers"][0]["command"][1:]]
+        settings = to_settings(build_parser().parse_args(argv), env={"POD_NAME": f"m-{role}-0", "POD_IP": "10.0.0.9"})
+        assert settings.mesh.drain_s == expected
+        pre_stop = pod["containers"][0].get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert pod["terminationGracePeriodSeconds"] > expected + pre_stop  # the kubelet never cuts the drain short
+        assert (pre_stop > 0) == (role == "router")
+
+
 def container_of(spec, role: str) -> dict:
     return manifests.workload(spec, "m", "ns", "uid", role, 1, None)["spec"]["template"]["spec"]["containers"][0]
 

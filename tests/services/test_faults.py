@@ -6,6 +6,7 @@ workers."""
 from __future__ import annotations
 
 import signal
+import time
 import urllib.request
 
 import grpc
@@ -18,7 +19,7 @@ from moemesh.common.prefix_index import PrefixIndex, meta_key
 from moemesh.common.redis_client import connect
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 from tests.redis_process import RedisServer
-from tests.services.cluster_helpers import decode_workers, load, test_cluster, wait_until
+from tests.services.cluster_helpers import decode_workers, generate, load, test_cluster, wait_until
 
 MESH = "faults"
 
@@ -211,5 +212,31 @@ def test_a_new_worker_is_not_serving_until_its_model_is_loaded_then_joins_the_re
         wait_until(serving, timeout_s=120, interval_s=0.05, message="decode-late serving")
     assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
     assert "decode-late" in [w.worker_id for w in registry.list_workers(redis_client, MESH)]
+
+
+def test_sigterm_drains_a_decode_worker_its_streams_finish_and_new_requests_go_elsewhere(
+    cluster, redis_client, tokenizer
+):
+    (victim,) = [w for w in decode_workers(cluster) if w.alive and w.name != "decode-late"]
+    prompt = tokenizer.encode(PROMPT)
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with grpc.insecure_channel(victim.grpc_endpoint) as channel:
+        stub = decode_pb2_grpc.DecodeWorkerStub(channel)
+        calls = [stub.Generate(decode_pb2.WorkerGenerateRequest(request_id=f"drain-{i}", prompt_token_ids=prompt,
+                                                                sampling=sampling), timeout=300)
+                 for i in range(4)]  # fmt: skip
+        firsts = [next(call) for call in calls]  # all four in flight
+        victim.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_until(lambda: victim.name not in [w.worker_id for w in registry.list_workers(redis_client, MESH)],
+                   message=f"{victim.name} deregistered")  # fmt: skip
+        _, worker_id, _ = generate(cluster.services["router"], prompt, max_tokens=2)
+        assert worker_id == "decode-late"  # (a call that reached the draining worker was refused and retried)
+        for first, call in zip(firsts, calls):
+            rest = list(call)
+            assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 48
+            assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert victim.process.wait(120) == 0
+    assert time.monotonic() - signalled < 30  # the drain period (mesh default): the streams ended it early
     assert cluster.stop_service("decode-late", signal.SIGTERM) == 0
     assert keys_mentioning(redis_client, "decode-late") == []
