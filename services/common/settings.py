@@ -13,6 +13,7 @@ this module is below the engine and imports nothing above it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,6 +83,12 @@ def model_path(args, config: dict) -> str | None:
         return resolve_model_path(source)
     except ModelSourceError as e:
         raise SettingsError(str(e)) from e
+
+
+def served_model_name(override: str | None, path: str) -> str:
+    """The model's name in the API and every metric label: the override (`--served-model-name`,
+    the mesh's spec.model.name), else the checkpoint's file or directory name without extension."""
+    return override or os.path.splitext(os.path.basename(path.rstrip("/")))[0]
 
 
 def add_common_arguments(parser) -> None:

@@ -39,7 +39,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         role: str,
         metrics: WorkerMetrics,
         min_remote_prefill_tokens: int,
-        kv_transfer_timeout_s: float,
+        kv_transfer_timeout_s: tuple[float, float],  # (base, per uncached prompt token)
         max_queued_requests: int,
     ):
         self.engine = engine
@@ -68,7 +68,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                                       remote_prefill=remote, resume_token_ids=resume)  # fmt: skip
         num_remote_tokens = 0
         last = first_token = scheduled = None
-        num_generated, finish_reason = 0, "abort"
+        num_generated, recorded = 0, False
+
+        def record(finish_reason: str) -> None:  # once, before the last message leaves (or at an abort)
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                self.metrics.request_finished(RequestTimes(
+                    arrival, scheduled, first_token, time.monotonic(), len(request.prompt_token_ids), num_generated,
+                    params.max_tokens, finish_reason))  # fmt: skip
+
         # spans: local = "queue+prefill" -> "decode"; remote = "queue" -> "kv_transfer" -> "decode"
         phase = self._tracer.start_span("queue+prefill", context=ctx)
         try:
@@ -94,19 +103,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     else:
                         self.metrics.observe_itl(now - last)
                     last = now
-                    yield self._response(event, num_remote_tokens)
                     if event.finished:
-                        finish_reason = event.finish_reason
+                        record(event.finish_reason)
                         span.set_attribute("moemesh.num_output_tokens", len(event.token_ids))
                         span.set_attribute("moemesh.num_cached_tokens", event.num_cached_tokens)
                         span.set_attribute("moemesh.num_remote_prefill_tokens", num_remote_tokens)
+                    yield self._response(event, num_remote_tokens)
         finally:
+            record("abort")
             phase.end()
             span.end()
             await events.aclose()
-            self.metrics.request_finished(RequestTimes(
-                arrival, scheduled, first_token, time.monotonic(), len(request.prompt_token_ids), num_generated,
-                params.max_tokens, finish_reason))  # fmt: skip
 
     async def _remote_prefill(self, request, event: RemotePrefillNeeded, ctx) -> int:
         """Fetch the KV of tokens [num_computed, len(prompt)); returns how many came remotely
@@ -118,7 +125,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             sampling=request.sampling,
             num_computed_tokens=event.num_computed_tokens,
             layout=self.engine.engine.kv_layout,
-            timeout_s=self.kv_transfer_timeout_s,
+            timeout_s=self.kv_transfer_timeout_s[0]
+            + self.kv_transfer_timeout_s[1]
+            * (len(request.prompt_token_ids) - event.num_computed_tokens),  # grows with the work to do
         )
         with self._tracer.start_as_current_span("kv_transfer", context=ctx) as span:  # no yield inside
             span.set_attribute("moemesh.prefill_endpoint", task.endpoint)

@@ -32,6 +32,7 @@ from moemesh.common.grpc_util import HealthReporter, create_server
 from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import ExpertMetrics
 from moemesh.common.placement import PlacementError, PlacementStore
+from moemesh.common.settings import served_model_name
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader import default_model_path, open_checkpoint
 from moemesh.engine.loader.build import DTYPES
@@ -58,7 +59,8 @@ class ExpertWorker:
         self.replicas = ReplicaStore(settings.worker_id, shape, read)
         self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
         self.placements = PlacementStore(self.redis, settings.mesh.mesh)
-        self.metrics = ExpertMetrics(self.model_id, settings.worker_id, lambda: (self.servicer.total_counts,
+        model_name = served_model_name(settings.served_model_name, settings.engine.model or default_model_path())
+        self.metrics = ExpertMetrics(model_name, settings.worker_id, lambda: (self.servicer.total_counts,
                                                                                  self.active_version))  # fmt: skip
         self.servicer = ExpertServicer(self.replicas, self._status, settings.engine.num_threads, clock, self.metrics)
         self.active_version = 0

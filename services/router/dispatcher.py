@@ -68,7 +68,11 @@ class Unavailable(RouterError):
 
 
 class WorkerFailedError(Unavailable):
-    """The decode worker failed after tokens were streamed."""
+    """The decode worker failed after tokens were streamed, and the request could not move."""
+
+
+class FirstTokenTimeout(Unavailable):
+    """No first token within the (prompt-scaled) first-token timeout."""
 
 
 class _WorkerLost(Exception):
@@ -105,7 +109,8 @@ class Delta:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, channels: ChannelPool, tokenizer, extra: HashExtra, metrics: RouterMetrics,
-                 max_attempts: int = 3, first_token_timeout_s: float = 120.0, max_migrations: int = 3):  # fmt: skip
+                 max_attempts: int = 3, first_token_timeout_s: float = 120.0, max_migrations: int = 3,
+                 first_token_timeout_per_token_s: float = 0.05):  # fmt: skip
         self.pool = pool
         self.channels = channels
         self.tokenizer = tokenizer
@@ -114,6 +119,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.first_token_timeout_s = first_token_timeout_s
         self.max_migrations = max_migrations
+        self.first_token_timeout_per_token_s = first_token_timeout_per_token_s
         self._tracer = telemetry.tracer("moemesh.router")
 
     def block_chain(self, prompt_token_ids: list[int]):
@@ -200,7 +206,7 @@ class Dispatcher:
             messages = call.__aiter__()
             while True:
                 try:
-                    timeout = self.first_token_timeout_s if num_new == 0 else None
+                    timeout = self._first_token_timeout(request) if num_new == 0 else None
                     message = await asyncio.wait_for(messages.__anext__(), timeout)
                 except StopAsyncIteration:
                     raise _WorkerLost(f"decode worker {worker.worker_id} ended the stream early") from None
@@ -236,6 +242,10 @@ class Dispatcher:
         finally:
             call.cancel()  # a no-op when the call completed; else aborts it on the workers
             self.pool.end(route, charge)
+
+    def _first_token_timeout(self, request: GenerateInput) -> float:
+        """Long prompts take long to prefill: the wait grows with the prompt."""
+        return self.first_token_timeout_s + self.first_token_timeout_per_token_s * len(request.prompt_token_ids)
 
     def _delta(self, detok, message, num_output: int, num_prompt: int) -> Delta:
         token_ids, logprobs = [], []

@@ -14,7 +14,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from moemesh.common.metrics import RouterMetrics
-from moemesh.router.dispatcher import Delta, Dispatcher, GenerateInput, InvalidRequest, ModelNotFound, Overloaded
+from moemesh.router.dispatcher import (
+    Delta,
+    Dispatcher,
+    FirstTokenTimeout,
+    GenerateInput,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    RouterError,
+    Unavailable,
+    WorkerFailedError,
+)
 from moemesh.text.errors import InvalidRequestError
 
 
@@ -158,13 +169,30 @@ class Frontend:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_one(self, request: GenerateInput) -> AsyncIterator[Delta]:
-        async with contextlib.aclosing(self.dispatcher.generate(request)) as deltas:
-            async for delta in deltas:
-                if delta.finish_reason is not None:
-                    self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
-                    self.metrics.cached_tokens.inc(delta.num_cached_tokens)
-                    self.metrics.outcome("finished")
-                yield delta
+        """One choice; its outcome counts in `moemesh:router_requests_total{outcome}`: finished,
+        aborted (the client left), timeout (no first token), failed (a worker failed and the
+        request could not move), unavailable, overloaded or invalid."""
+        outcome = "aborted"  # left early: the client went away (or a sibling choice failed)
+        try:
+            async with contextlib.aclosing(self.dispatcher.generate(request)) as deltas:
+                async for delta in deltas:
+                    if delta.finish_reason is not None:
+                        self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
+                        self.metrics.cached_tokens.inc(delta.num_cached_tokens)
+                        outcome = "finished"
+                    yield delta
+        except RouterError as e:
+            outcome = _OUTCOMES.get(type(e), "error")
+            raise
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self.metrics.outcome(outcome)
+
+
+_OUTCOMES = {InvalidRequest: "invalid", Overloaded: "overloaded", Unavailable: "unavailable",
+             WorkerFailedError: "failed", FirstTokenTimeout: "timeout"}  # fmt: skip
 
 
 def _max_token_chars(tokenizer) -> int | None:

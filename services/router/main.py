@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 
 import redis
 import uvicorn
@@ -20,6 +19,7 @@ from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.lifecycle import watch_parent
 from moemesh.common.metrics import RouterMetrics
 from moemesh.common.model_source import default_model_path
+from moemesh.common.settings import served_model_name
 from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
 from moemesh.router.api_keys import ApiKeys
 from moemesh.router.dispatcher import Dispatcher
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 def build_frontend(settings: RouterSettings, client: redis.Redis, channels: ChannelPool) -> tuple[Frontend, WorkerPool]:
     path = settings.model or default_model_path()
     checkpoint = open_model_text(path)  # config, tokenizer + chat template only; never the weights
-    name = settings.served_model_name or os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+    name = served_model_name(settings.served_model_name, path)
     max_len = settings.max_model_len or int(checkpoint.hf_config.get("max_position_embeddings") or 1 << 30)
     metrics = RouterMetrics(name)
     routing = settings.routing

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import redis
 from prometheus_client import start_http_server
@@ -21,8 +20,10 @@ from moemesh.common import redis_client, registry, telemetry
 from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
 from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import WorkerMetrics
+from moemesh.common.model_source import default_model_path
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.prefix_publisher import PrefixIndexPublisher
+from moemesh.common.settings import served_model_name
 from moemesh.decode.servicer import DecodeServicer
 from moemesh.engine.async_engine import AsyncEngine
 from moemesh.expert.attach import NoRemoteExperts, RemoteExperts
@@ -84,7 +85,7 @@ class Worker:
         self.engine = AsyncEngine(
             lambda: build_engine(s.engine, s.expert.remote), loop, s.engine.num_threads, self._on_kv_events
         )
-        model_name = os.path.basename(s.engine.model or "SmolLM2-135M-Instruct")
+        model_name = served_model_name(s.served_model_name, s.engine.model or default_model_path())
         self.metrics = WorkerMetrics(model_name, s.worker_id, lambda: self.engine.stats)
         names = []
         if s.role in ("decode", "both"):
@@ -129,7 +130,7 @@ class Worker:
         if s.role in ("decode", "both"):
             decode = DecodeServicer(
                 self.engine, GrpcKVTransport(self.channels), s.worker_id, s.role, self.metrics,
-                s.min_remote_prefill_tokens, s.kv_transfer_timeout_s, s.max_queued_requests,
+                s.min_remote_prefill_tokens, (s.kv_transfer_timeout_s, s.kv_transfer_timeout_per_token_s), s.max_queued_requests,
             )  # fmt: skip
             decode_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         if s.role in ("prefill", "both"):

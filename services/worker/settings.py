@@ -130,12 +130,14 @@ class WorkerSettings:
     grpc_port: int = 50051
     metrics_port: int | None = 9090  # None: no Prometheus endpoint
     min_remote_prefill_tokens: int = 64  # decode: prefill remotely only if this many are uncached
-    kv_transfer_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0  # a remote prefill's KV must arrive within this ...
+    kv_transfer_timeout_per_token_s: float = 0.02  # ... plus this per uncached prompt token (long prompts)
     kv_chunk_bytes: int = 1 << 20  # well under gRPC's 4 MiB message limit
     max_queued_requests: int = 256  # decode: more waiting -> RESOURCE_EXHAUSTED (HTTP 429)
     mesh: MeshSettings = field(default_factory=MeshSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     expert: ExpertSettings = field(default_factory=ExpertSettings)
+    served_model_name: str | None = None  # the mesh's model name (metric labels match the router's)
 
     def __post_init__(self):
         check(self.role in WORKER_ROLES, f"worker role must be one of {WORKER_ROLES}, got {self.role!r}")
@@ -168,6 +170,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
         metrics_port=metrics_port(args, config),
         min_remote_prefill_tokens=pick(args.min_remote_prefill_tokens, None, 64),
         kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_transfer_timeout_per_token_s=args.kv_transfer_timeout_per_token,
         kv_chunk_bytes=args.kv_chunk_bytes,
         max_queued_requests=args.max_queued_requests,
         mesh=mesh_settings(args, config, env),
@@ -187,6 +190,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
             speculation=speculation_settings(args) if role in ("decode", "both") else SpeculationSettings(),
         ),
         expert=expert_settings(args, config),
+        served_model_name=(config.get("model") or {}).get("name"),
     )
 
 
@@ -228,7 +232,10 @@ def add_worker_arguments(parser) -> None:
         default=None,
         help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)",
     )
-    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="decode: seconds a remote prefill's KV may take, plus --kv-transfer-timeout-per-token "
+                             "per uncached prompt token; then the worker prefills locally")  # fmt: skip
+    worker.add_argument("--kv-transfer-timeout-per-token", type=float, default=0.02)
     worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)
     add_speculation_arguments(parser.add_argument_group("speculative decoding (decode / both workers)"))

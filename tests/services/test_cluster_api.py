@@ -302,6 +302,7 @@ def test_health_and_prometheus_metrics_on_every_service(cluster, client, model, 
                      "vllm:prefix_cache_hits_total{", "vllm:time_to_first_token_seconds_bucket{"):  # fmt: skip
             assert name in text, (worker.name, name)
         assert 'vllm:time_to_first_token_seconds_bucket{le="2560.0"' in text  # vLLM's TTFT range
+        assert f'model_name="{model}"' in text  # the router's label
     decode_text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(decodes[0])}/metrics").read()
     assert b"vllm:inter_token_latency_seconds_bucket{" in decode_text
 
