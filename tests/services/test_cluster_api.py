@@ -4,7 +4,9 @@ the official `openai` client and the offline engine as the oracle."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import time
 import urllib.request
 
 import grpc
@@ -400,3 +402,62 @@ def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(
     wait_until(idle, message="every worker back to zero blocks in use")
     metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
     assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct.Q4_1"} 0.0' in metrics
+
+
+def test_256_concurrent_streams_against_64_in_flight_each_complete_or_get_429_with_retry_after(cluster, model):
+    router = cluster.add_router("router-load", "kv_aware", (*ROUTER_ARGS, "--max-in-flight", "64"))
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 4, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code == 429:
+                error = json.loads(await response.aread())["error"]
+                assert error["type"] == "rate_limit_exceeded" and response.headers["retry-after"] == "1", error
+                return "429"
+            assert response.status_code == 200, await response.aread()
+            events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and all("error" not in e for e in events), events
+            return "ok"
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=256)
+        timeout = httpx.Timeout(300.0)  # every client gives up eventually: none may hang
+        async with httpx.AsyncClient(base_url=router.http_url, limits=limits, timeout=timeout) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(256)))
+
+    outcomes = asyncio.run(run())
+    assert set(outcomes) <= {"ok", "429"} and outcomes.count("ok") >= 64, collections.Counter(outcomes)
+    cluster.stop_service("router-load")
+
+
+def test_a_20_mb_body_gets_413_and_a_concurrent_stream_keeps_flowing(cluster, model):
+    async def run() -> tuple[int, list[float]]:
+        started = asyncio.Event()
+        times: list[float] = []
+
+        async def stream(client: httpx.AsyncClient) -> None:
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 48, "stream": True,
+                    "ignore_eos": True, "temperature": 0}  # fmt: skip
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        times.append(time.monotonic())
+                        if len(times) == 4:
+                            started.set()
+
+        async def huge(client: httpx.AsyncClient) -> int:
+            await started.wait()
+            content = json.dumps({"model": model, "prompt": "a" * (20 << 20)}).encode()
+            response = await client.post(
+                "/v1/completions", content=content, headers={"content-type": "application/json"}
+            )
+            return response.status_code
+
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as client:
+            _, status = await asyncio.gather(stream(client), huge(client))
+        return status, times
+
+    status, times = asyncio.run(run())
+    assert status == 413
+    gaps = [b - a for a, b in zip(times[3:], times[4:])]
+    assert len(times) > 40 and max(gaps) < 1.0, gaps
