@@ -105,6 +105,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
+        vocab = self.model.cfg.vocab_size
+        if any(t >= vocab for t, _ in sampling_params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if kv_export_start is not None and not 0 <= kv_export_start < len(prompt_token_ids):
             raise InvalidRequestError(
                 f"kv_export_start must be in [0, {len(prompt_token_ids)}), got {kv_export_start}",

@@ -26,6 +26,7 @@ from torch import nn
 from moemesh.engine.config import CacheBudget, CacheConfig, ModelConfig
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.loader.build import DTYPES
+from moemesh.engine.logits_processors import LogitsAdjustments
 from moemesh.engine.models.decoder_model import MicroBatch
 from moemesh.engine.request import Logprob
 from moemesh.engine.sampler import Sampler, SamplingTensors
@@ -43,6 +44,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (the penalties read it)
+    eos_token_id: int | None = None  # masked while min_tokens is not reached
 
 
 @dataclass
@@ -121,7 +124,7 @@ class ModelRunner:
             generator = self._request_generator(new.sampling_params, new.num_output_tokens)
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.sampling_params, list(new.block_ids),
-                new.num_computed_tokens, generator,
+                new.num_computed_tokens, generator, len(new.token_ids) - new.num_output_tokens, new.eos_token_id,
             )  # fmt: skip
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
@@ -303,6 +306,7 @@ class ModelRunner:
             need_top_p=any(p.top_p < 1 for p in sampled),
             need_min_p=any(p.min_p > 0 for p in sampled),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            adjustments=LogitsAdjustments.build(states, self.model.cfg.vocab_size, self.device),
         )
 
     def _tensor(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:

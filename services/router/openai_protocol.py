@@ -1,8 +1,9 @@
 """OpenAI-compatible request bodies (validated at the boundary) and response objects.
 
 Unknown fields are ignored, as OpenAI-compatible servers usually do; fields we cannot honour
-with a non-default value (echo, best_of, penalties, tools, ...) are rejected with a 400 naming
-the field. moemesh extensions: top_k, min_p, ignore_eos.
+with a non-default value (echo, best_of, tools, ...) are rejected with a 400 naming the field.
+Sampling follows vLLM: presence/frequency penalties, logit_bias, any number of stop strings, and
+vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos.
 """
 
 from __future__ import annotations
@@ -36,26 +37,43 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)
     user: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 4 or not all(stop):
-            raise InvalidRequest("stop must be up to 4 non-empty strings", param="stop")
+        if not all(stop):
+            raise InvalidRequest("stop strings must be non-empty", param="stop")
         return tuple(stop)
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
+        pass
+
+    def token_biases(self) -> dict[int, float]:
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= bias <= 100:
+                raise InvalidRequest(
+                    f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}", param="logit_bias"
+                )
+            biases[int(key)] = bias
+        return biases
 
     def sampling(self, max_tokens: int, logprobs: int | None, choice: int) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-            max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.token_biases(), min_tokens=self.min_tokens,
         )  # fmt: skip
+        if self.repetition_penalty != 1.0:
+            params.repetition_penalty = self.repetition_penalty
+        if self.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})",
+                                 param="min_tokens")  # fmt: skip
         if self.seed is not None:
             params.seed = self.seed + choice  # n > 1: distinct but reproducible choices
         if logprobs is not None:

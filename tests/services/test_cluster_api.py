@@ -121,6 +121,27 @@ def test_stop_strings_cut_the_text_like_the_offline_engine(client, model, offlin
     assert response.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_penalties_bias_min_tokens_and_many_stop_strings_equal_the_offline_engine(client, model, offline_llm,
+                                                                                tokenizer, stream):  # fmt: skip
+    """Every vLLM sampling field travels router -> decode -> prefill (this prompt is prefilled
+    remotely, so the first token is sampled by the prefill worker under the same bias)."""
+    prompt = "Count: one, two, three, four, five,"
+    banned = offline(offline_llm, prompt, 1).token_ids[0]
+    stop = [" ten", " eleven", " twelve", "zz", "qq", "xx"]  # more than OpenAI's 4
+    params = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_tokens": 6}
+    expected = offline(offline_llm, prompt, 16, logit_bias={banned: -100.0}, stop=tuple(stop), **params)
+    kwargs = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=stop, logit_bias={str(banned): -100},
+                  presence_penalty=0.5, frequency_penalty=0.3,
+                  extra_body={"repetition_penalty": 1.2, "min_tokens": 6})  # fmt: skip
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    else:
+        text = client.completions.create(**kwargs).choices[0].text
+    assert text == expected.text
+    assert banned not in expected.token_ids
+
+
 def test_logprobs_and_n_and_seed(client, model, offline_llm, tokenizer):
     response = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
     lp = response.choices[0].logprobs
