@@ -54,7 +54,7 @@ class LogitsAdjustments:
     @classmethod
     def build(cls, rows: list[RowHistory], vocab_size: int, device) -> LogitsAdjustments | None:
         """None when no row adjusts its logits (the common case costs nothing)."""
-        if not any(r.sampling_params.adjusts_logits for r in rows):
+        if not any(r.sampling_params.has_logits_processors for r in rows):
             return None
         bias, banned, penalised = [], [], []
         for i, r in enumerate(rows):

@@ -34,6 +34,7 @@ from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler_output import SchedulerOutput
 from moemesh.engine.spec.proposer import TargetHiddenStates
 from moemesh.engine.spec.rejection import verify_drafts
+from moemesh.engine.structured_output import NullStructuredOutputs
 
 
 @dataclass
@@ -114,13 +115,20 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(model_config.seed))
         self.requests: dict[str, CachedRequestState] = {}
         self.keep_hidden_states = False  # set by the engine when its proposer drafts from them
+        self.structured_outputs = NullStructuredOutputs()  # the engine installs xgrammar's when it has a tokenizer
         self.micro_batch_overlap = model_config.micro_batch_overlap  # None: when the experts run remotely
 
     # -- state updates from the scheduler ------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_req_ids:
             self.requests.pop(request_id, None)
+            self.structured_outputs.remove(request_id)
         for new in out.scheduled_new_reqs:
+            spec = new.sampling_params.structured_output
+            if spec is not None:  # resumed, or after a remote prefill: continue from its outputs
+                self.structured_outputs.add(
+                    new.request_id, spec, new.token_ids[len(new.token_ids) - new.num_output_tokens :]
+                )
             generator = self._request_generator(new.sampling_params, new.num_output_tokens)
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.sampling_params, list(new.block_ids),
@@ -197,8 +205,11 @@ class ModelRunner:
             output.hidden_states = {r: TargetHiddenStates(int(a), hidden[int(b) : int(c)])
                                     for r, a, b, c in zip(order, starts, cu[:-1], cu[1:])}  # fmt: skip
         if len(plain_rows):
-            logits = self.model.compute_logits(hidden[self._tensor(cu[1:][plain_rows] - 1)])  # [num_plain, vocab]
+            logits = self.model.compute_logits(
+                hidden[self._tensor(cu[1:][plain_rows] - 1)]
+            ).float()  # [num_plain, vocab]
             plain_states = [states[i] for i in plain_rows]
+            self.structured_outputs.apply_bitmask(logits, [s.request_id for s in plain_states])
             self._collect(plain_states, self.sampler(logits, self._sampling_tensors(plain_states)), output)
         if len(spec_rows):
             self._verify([states[i] for i in spec_rows], [spec[order[i]] for i in spec_rows],
@@ -283,6 +294,7 @@ class ModelRunner:
         for i, (state, token_id) in enumerate(zip(states, token_ids)):
             state.token_ids.append(token_id)
             output.sampled_token_ids[state.request_id] = [token_id]
+            self.structured_outputs.accept(state.request_id, token_id)
             n = state.sampling_params.logprobs
             if n is not None:
                 top = dict(zip(lp_ids[i][1 : 1 + n], lp[i][1 : 1 + n]))

@@ -6,6 +6,32 @@ from dataclasses import dataclass
 
 from moemesh.engine.errors import InvalidRequestError
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must match (enforced by engine/structured_output.py). `spec` is the JSON
+    schema text (kind json), the regex, or the EBNF grammar; kind choice uses `choices`, kind
+    json_object needs nothing."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "choices", tuple(self.choices))
+        _check(self.kind in STRUCTURED_KINDS, "structured_output", f"kind must be one of {STRUCTURED_KINDS}")
+        if self.kind == "choice":
+            _check(bool(self.choices) and all(self.choices), "guided_choice", "must be non-empty strings")
+        elif self.kind != "json_object":
+            _check(bool(self.spec), self.param, "must not be empty")
+
+    @property
+    def param(self) -> str:
+        """The request field an error names."""
+        return "response_format" if self.kind.startswith("json") else f"guided_{self.kind}"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +53,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt + output tokens: positive logits / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    structured_output: StructuredOutputSpec | None = None  # a grammar the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -73,10 +100,16 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def has_logits_processors(self) -> bool:
+        """Penalties, logit_bias or min_tokens (engine/logits_processors.py)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes this request's logits before temperature (penalties,
-        logit_bias, min_tokens). Such requests are not speculated (see engine/logits_processors.py)."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        logit_bias, min_tokens, a grammar). Such requests are not speculated (see
+        engine/logits_processors.py and engine/structured_output.py)."""
+        return self.has_logits_processors or self.structured_output is not None
 
 
 def _check(ok: bool, param: str, message: str) -> None:

@@ -3,7 +3,8 @@
 Unknown fields are ignored, as OpenAI-compatible servers usually do; fields we cannot honour
 with a non-default value (echo, best_of, tools, ...) are rejected with a 400 naming the field.
 Sampling follows vLLM: presence/frequency penalties, logit_bias, any number of stop strings, and
-vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos.
+vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos. Structured outputs:
+`response_format` and vLLM's `guided_*` / `structured_outputs` (router/structured_request.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moemesh.proto.v1 import common_pb2
 from moemesh.router.dispatcher import InvalidRequest
+from moemesh.router.structured_request import structured_output
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +45,13 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # structured outputs (router/structured_request.py)
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -71,6 +80,12 @@ class _SamplingFields(BaseModel):
         )  # fmt: skip
         if self.repetition_penalty != 1.0:
             params.repetition_penalty = self.repetition_penalty
+        guided = {
+            name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
+        constraint = structured_output(self.response_format, guided, self.structured_outputs)
+        if constraint is not None:
+            params.structured_output.CopyFrom(constraint)
         if self.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})",
                                  param="min_tokens")  # fmt: skip

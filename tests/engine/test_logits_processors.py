@@ -140,3 +140,21 @@ def test_out_of_range_values_are_rejected_naming_the_field(smollm):
     with pytest.raises(InvalidRequestError) as e:
         smollm.generate("Hi", SamplingParams(logit_bias={10**7: 1.0}))
     assert e.value.param == "logit_bias"
+
+
+def test_requests_that_adjust_their_logits_are_not_speculated():
+    from moemesh.engine.config import SpecConfig
+    from moemesh.engine.request import Request
+    from moemesh.engine.sampling_params import StructuredOutputSpec
+    from moemesh.engine.spec.decoder import SpecDecoder
+
+    spec = SpecDecoder(SpecConfig(method="ngram", scheduling="fixed", num_speculative_tokens=3), 1024, None)
+    kinds = {"plain": {}, "penalty": {"presence_penalty": 0.5}, "bias": {"logit_bias": {5: 1.0}},
+             "min_tokens": {"min_tokens": 2}, "grammar": {"structured_output": StructuredOutputSpec("regex", "[0-9]+")}}  # fmt: skip
+    requests = []
+    for name, kwargs in kinds.items():
+        request = Request(name, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=8, **kwargs))
+        request.num_computed_tokens = request.num_tokens - 1  # decoding
+        requests.append(request)
+    spec.prepare(requests)
+    assert {r.request_id: bool(r.spec_token_ids) for r in requests} == {name: name == "plain" for name in kinds}

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
+from openai.lib._parsing._completions import type_to_response_format_param
 
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.redis_client import connect
@@ -28,6 +32,7 @@ from tests.services.cluster_helpers import (
     workers,
 )
 from tests.services.otlp_collector import OtlpCollector
+from tests.services.structured_cases import CASES as STRUCTURED_CASES
 
 MESH = "api"
 PROMPTS = [
@@ -53,12 +58,20 @@ def cluster(redis_server, tmp_path_factory, collector):
     logs = tmp_path_factory.mktemp("cluster-api")
     with test_cluster(redis_server.url, MESH, logs, otlp_endpoint=collector.endpoint) as cluster:
         cluster.add_router("router-rr", "round_robin", ROUTER_ARGS)
+        cluster.add_router("router-agg", "round_robin", (*ROUTER_ARGS, "--aggregated"))
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aggregated_client(cluster):
+    """Through a router whose decode workers prefill locally (the main router disaggregates)."""
+    base_url = cluster.services["router-agg"].http_url + "/v1"
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +153,68 @@ def test_penalties_bias_min_tokens_and_many_stop_strings_equal_the_offline_engin
         text = client.completions.create(**kwargs).choices[0].text
     assert text == expected.text
     assert banned not in expected.token_ids
+
+
+def test_parse_returns_objects_valid_against_the_sent_schema_disaggregated_and_aggregated_streamed(
+    cluster, client, aggregated_client, model
+):
+    """openai's `parse` (non-streaming, disaggregated: the prefill worker samples the first token
+    under the grammar, the decode worker continues its matcher) and `stream` (aggregated) on ten
+    schemas at once; every raw output validates with jsonschema against the schema sent."""
+    prefill = next(s for s in workers(cluster) if s.role == "prefill")
+    prefills_before = load_any(prefill).prefix_cache_queries
+
+    def parse(case):
+        prompt, schema = case
+        completion = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": prompt}],
+                                                   response_format=schema, max_tokens=64, temperature=0)  # fmt: skip
+        return completion.choices[0].message.content, completion.choices[0].message.parsed
+
+    def stream(case):
+        prompt, schema = case
+        with aggregated_client.chat.completions.stream(model=model, messages=[{"role": "user", "content": prompt}],
+                                                       response_format=schema, max_tokens=64) as events:  # fmt: skip
+            deltas = "".join(e.delta for e in events if e.type == "content.delta")
+            message = events.get_final_completion().choices[0].message
+        assert deltas == message.content
+        return message.content, message.parsed
+
+    with ThreadPoolExecutor(2 * len(STRUCTURED_CASES)) as pool:
+        parsed = pool.map(parse, STRUCTURED_CASES)
+        streamed = pool.map(stream, STRUCTURED_CASES)
+        results = [*zip(STRUCTURED_CASES, parsed), *zip(STRUCTURED_CASES, streamed)]
+    for (_, schema), (raw, obj) in results:
+        jsonschema.validate(json.loads(raw), type_to_response_format_param(schema)["json_schema"]["schema"])
+        assert isinstance(obj, schema) and obj == schema.model_validate_json(raw)
+    assert load_any(prefill).prefix_cache_queries >= prefills_before + 1  # the disaggregated path ran
+
+
+def test_json_object_choice_and_regex_constraints_and_bad_ones_get_400(client, aggregated_client, model):
+    def chat(c, prompt, **kwargs):
+        messages = [{"role": "user", "content": prompt}]
+        return c.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0, **kwargs)
+
+    choices = ["yes", "no", "maybe"]
+    with ThreadPoolExecutor(6) as pool:
+        objects = [pool.submit(chat, c, "Give the name and age of a person as JSON.", response_format={"type": "json_object"})
+                   for c in (client, aggregated_client)]  # fmt: skip
+        picks = [pool.submit(chat, client, "Is the sea salty?", extra_body={"guided_choice": choices}),
+                 pool.submit(chat, aggregated_client, "Is fire cold?", extra_body={"structured_outputs": {"choice": choices}})]  # fmt: skip
+        code = pool.submit(client.completions.create, model=model, prompt="My phone number is", max_tokens=12,
+                           temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})  # fmt: skip
+        for future in objects:
+            choice = future.result().choices[0]
+            assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
+        assert all(f.result().choices[0].message.content in choices for f in picks)
+        assert re.fullmatch(r"\d{3}-\d{4}", code.result().choices[0].text)
+    for extra, param in [({"guided_regex": "(unclosed"}, "guided_regex"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                          "response_format"),
+                         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+                         ({"response_format": {"type": "xml"}}, "response_format")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "Hi", extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
 
 
 def test_logprobs_and_n_and_seed(client, model, offline_llm, tokenizer):

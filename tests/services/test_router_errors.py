@@ -66,6 +66,13 @@ def assert_error(response: httpx.Response, status: int, param: str | None, error
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+        ({"model": MODEL, "prompt": "hi", "guided_choice": []}, "guided_choice"),
+        ({"model": MODEL, "prompt": "hi", "guided_json": "{oops"}, "guided_json"),
+        (
+            {"model": MODEL, "prompt": "hi", "guided_regex": "a", "structured_outputs": {"json_object": True}},
+            "structured_outputs",
+        ),
         ({"model": MODEL, "prompt": []}, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 10**9]}, "prompt"),
     ],
