@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from moemesh.common.metrics import RouterMetrics
 from moemesh.router.dispatcher import Delta, Dispatcher, GenerateInput, InvalidRequest, ModelNotFound, Overloaded
+from moemesh.router.tool_parsers import parser_for
 from moemesh.text.errors import InvalidRequestError
 
 
@@ -23,7 +24,7 @@ class ChoiceDelta:
 
 class Frontend:
     def __init__(self, dispatcher: Dispatcher, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
-                 metrics: RouterMetrics, max_in_flight: int):  # fmt: skip
+                 metrics: RouterMetrics, max_in_flight: int, tool_call_parser: str = "auto"):  # fmt: skip
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -32,6 +33,7 @@ class Frontend:
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self.tool_parser = parser_for(tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -51,9 +53,9 @@ class Frontend:
         self.check_prompt(token_ids)
         return token_ids
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except InvalidRequestError as e:
             raise InvalidRequest(str(e), param=e.param or "messages") from None
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -53,7 +53,8 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
     dispatcher = Dispatcher(pool, channels, tokenizer, extra, metrics,
                             first_token_timeout_s=settings.first_token_timeout_s)  # fmt: skip
     vocab = int(checkpoint.hf_config.get("vocab_size") or tokenizer.vocab_size)
-    frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight)
+    frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight,
+                        settings.tool_call_parser)  # fmt: skip
     return frontend, pool
 
 

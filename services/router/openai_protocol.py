@@ -1,10 +1,11 @@
 """OpenAI-compatible request bodies (validated at the boundary) and response objects.
 
 Unknown fields are ignored, as OpenAI-compatible servers usually do; fields we cannot honour
-with a non-default value (echo, best_of, tools, ...) are rejected with a 400 naming the field.
+with a non-default value (echo, best_of, suffix) are rejected with a 400 naming the field.
 Sampling follows vLLM: presence/frequency penalties, logit_bias, any number of stop strings, and
 vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos. Structured outputs:
 `response_format` and vLLM's `guided_*` / `structured_outputs` (router/structured_request.py).
+Tools: `tools`, `tool_choice`, `parallel_tool_calls` (router/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is supported
@@ -152,16 +155,25 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
         if not self.messages:
             raise InvalidRequest("messages must be a non-empty list", param="messages")
 
     def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+                message["content"] = m.text() if m.content is not None else None
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
+from moemesh.router.tool_parsers import PARSER_NAMES
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
@@ -46,6 +47,7 @@ class RouterSettings:
     refresh_interval_s: float = 0.5  # registry poll
     max_in_flight: int = 1024  # more concurrent requests -> HTTP 429
     first_token_timeout_s: float = 120.0
+    tool_call_parser: str = "auto"  # how tool calls are read from replies (router/tool_parsers.py)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     mesh: MeshSettings = field(default_factory=MeshSettings)
 
@@ -67,6 +69,7 @@ def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings
         decode_endpoints=tuple(args.decode_endpoint),
         prefill_endpoints=tuple(args.prefill_endpoint),
         max_in_flight=args.max_in_flight,
+        tool_call_parser=args.tool_call_parser,
         routing=RoutingSettings(
             policy=args.policy,
             prefill_weight=args.prefill_weight,
@@ -87,4 +90,6 @@ def add_router_arguments(parser) -> None:
     router.add_argument("--aggregated", action="store_true", help="decode workers prefill locally (no prefill workers)")
     router.add_argument("--decode-endpoint", action="append", default=[], help="static decode worker host:port")
     router.add_argument("--prefill-endpoint", action="append", default=[], help="static prefill worker host:port")
+    router.add_argument("--tool-call-parser", default="auto", choices=PARSER_NAMES,
+                        help="format of the model's tool calls (auto: from its chat template)")  # fmt: skip
     router.add_argument("--max-in-flight", type=int, default=1024)

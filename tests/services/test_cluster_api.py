@@ -159,8 +159,9 @@ def test_parse_returns_objects_valid_against_the_sent_schema_disaggregated_and_a
     cluster, client, aggregated_client, model
 ):
     """openai's `parse` (non-streaming, disaggregated: the prefill worker samples the first token
-    under the grammar, the decode worker continues its matcher) and `stream` (aggregated) on ten
-    schemas at once; every raw output validates with jsonschema against the schema sent."""
+    under the grammar, the decode worker continues its matcher) on ten schemas and `stream`
+    (aggregated) on five of them, all at once; every raw output validates with jsonschema against
+    the schema sent."""
     prefill = next(s for s in workers(cluster) if s.role == "prefill")
     prefills_before = load_any(prefill).prefix_cache_queries
 
@@ -173,16 +174,16 @@ def test_parse_returns_objects_valid_against_the_sent_schema_disaggregated_and_a
     def stream(case):
         prompt, schema = case
         with aggregated_client.chat.completions.stream(model=model, messages=[{"role": "user", "content": prompt}],
-                                                       response_format=schema, max_tokens=64) as events:  # fmt: skip
+                                                       response_format=schema, max_tokens=64, temperature=0) as events:  # fmt: skip
             deltas = "".join(e.delta for e in events if e.type == "content.delta")
             message = events.get_final_completion().choices[0].message
         assert deltas == message.content
         return message.content, message.parsed
 
-    with ThreadPoolExecutor(2 * len(STRUCTURED_CASES)) as pool:
+    with ThreadPoolExecutor(len(STRUCTURED_CASES) + 5) as pool:
         parsed = pool.map(parse, STRUCTURED_CASES)
-        streamed = pool.map(stream, STRUCTURED_CASES)
-        results = [*zip(STRUCTURED_CASES, parsed), *zip(STRUCTURED_CASES, streamed)]
+        streamed = pool.map(stream, STRUCTURED_CASES[::2])
+        results = [*zip(STRUCTURED_CASES, parsed), *zip(STRUCTURED_CASES[::2], streamed)]
     for (_, schema), (raw, obj) in results:
         jsonschema.validate(json.loads(raw), type_to_response_format_param(schema)["json_schema"]["schema"])
         assert isinstance(obj, schema) and obj == schema.model_validate_json(raw)
@@ -215,6 +216,59 @@ def test_json_object_choice_and_regex_constraints_and_bad_ones_get_400(client, a
         with pytest.raises(openai.BadRequestError) as e:
             chat(client, "Hi", extra_body=extra)
         assert e.value.body["param"] == param, e.value.body
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },  # fmt: skip
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_two_turn_get_weather_conversation_with_a_required_tool_call(client, model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=model, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48, temperature=0)
+
+    def streamed_call():
+        name, arguments, ids, finish = "", "", set(), None
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **kwargs):
+            for piece in chunk.choices[0].delta.tool_calls or []:
+                assert piece.index == 0
+                ids |= {piece.id} - {None}
+                name += piece.function.name or ""
+                arguments += piece.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return name, arguments, ids, finish
+
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(streamed_call)
+        first = client.chat.completions.create(messages=messages, **kwargs).choices[0]
+        name, arguments, ids, finish = streaming.result()
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert (name, json.loads(arguments), len(ids), finish) == (call.function.name, json.loads(call.function.arguments),
+                                                               1, "tool_calls")  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "unit": "celsius"})},
+    ]
+    second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=24,
+                                            temperature=0).choices[0]  # fmt: skip
+    assert second.message.content and not second.message.tool_calls
+    assert second.finish_reason in ("stop", "length")
 
 
 def test_logprobs_and_n_and_seed(client, model, offline_llm, tokenizer):

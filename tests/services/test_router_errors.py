@@ -86,6 +86,11 @@ def test_invalid_chat_requests_get_400(app):
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": image}), 400, "messages")
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}),
                  400, "messages")  # fmt: skip
+    hi = [{"role": "user", "content": "hi"}]
+    assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": hi, "tool_choice": "required"}),
+                 400, "tool_choice")  # fmt: skip
+    bad_call = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]
+    assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": bad_call}), 400, "messages")
 
 
 def test_malformed_json_gets_400(app):
