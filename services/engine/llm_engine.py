@@ -124,7 +124,7 @@ class LLMEngine:
         self._requests[request_id] = request
         if self.tokenizer is not None and detokenize:
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, sampling_params.stop, prompt_token_ids
+                self.tokenizer, sampling_params.stop, prompt_token_ids, sampling_params.min_tokens
             )
         self.scheduler.add_request(request)
         return request_id

@@ -153,7 +153,8 @@ class Dispatcher:
         self.metrics.route(worker.worker_id, "decode")
         if route.prefill is not None:
             self.metrics.route(route.prefill.worker_id, "prefill")
-        detok = IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids,
+                                       request.sampling.min_tokens)  # fmt: skip
         num_output = 0
         started = last = time.monotonic()
         try:

@@ -128,6 +128,16 @@ def test_min_tokens_keeps_eos_away_until_reached(smollm):
     assert smollm.engine.eos_token_id not in longer.token_ids[:8]
 
 
+def test_stop_strings_count_only_once_min_tokens_are_out(smollm):
+    prompt = "1, 2, 3, 4,"
+    full = smollm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    early = smollm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=(",",)))[0]
+    late = smollm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=(",",), min_tokens=6))[0]
+    assert early.text == full.text[: full.text.index(",")]
+    assert late.finish_reason == "stop" and len(late.token_ids) >= 6 and "," in late.text
+    assert full.text.startswith(late.text) and full.text[len(late.text)] == ","
+
+
 def test_out_of_range_values_are_rejected_naming_the_field(smollm):
     from moemesh.engine.errors import InvalidRequestError
 
