@@ -36,6 +36,7 @@ from moemesh.engine.scheduler import Scheduler
 from moemesh.engine.scheduler_output import SchedulerOutput
 from moemesh.engine.spec.confidence import CostTable
 from moemesh.engine.spec.decoder import SpecDecoder
+from moemesh.engine.structured_output import StructuredOutputs
 from moemesh.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config.model, self.budget)
+        if self.tokenizer is not None:
+            self.runner.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size)
         self.kv_layout: KVLayout = kv_layout(self.model, self.model_id)
         self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table(),
                                 config.model, self.model.cfg.vocab_size, self.model)  # fmt: skip
@@ -108,6 +111,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
+        vocab = self.model.cfg.vocab_size
+        if any(t >= vocab for t, _ in sampling_params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if sampling_params.structured_output is not None:  # a bad grammar fails here, not in a round
+            self.runner.structured_outputs.compile(sampling_params.structured_output)
         if kv_export_start is not None and not 0 <= kv_export_start < len(prompt_token_ids):
             raise InvalidRequestError(
                 f"kv_export_start must be in [0, {len(prompt_token_ids)}), got {kv_export_start}",
@@ -128,7 +136,7 @@ class LLMEngine:
         self._requests[request_id] = request
         if self.tokenizer is not None and detokenize:
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, sampling_params.stop, prompt_token_ids
+                self.tokenizer, sampling_params.stop, prompt_token_ids, sampling_params.min_tokens
             )
         self.scheduler.add_request(request)
         return request_id

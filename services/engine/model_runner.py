@@ -26,6 +26,7 @@ from torch import nn
 from moemesh.engine.config import CacheBudget, CacheConfig, ModelConfig
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.loader.build import DTYPES
+from moemesh.engine.logits_processors import LogitsAdjustments
 from moemesh.engine.models.decoder_model import MicroBatch
 from moemesh.engine.request import Logprob
 from moemesh.engine.sampler import Sampler, SamplingTensors
@@ -33,6 +34,7 @@ from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.scheduler_output import SchedulerOutput
 from moemesh.engine.spec.proposer import TargetHiddenStates
 from moemesh.engine.spec.rejection import verify_drafts
+from moemesh.engine.structured_output import NullStructuredOutputs
 
 
 @dataclass
@@ -43,6 +45,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (the penalties read it)
+    eos_token_id: int | None = None  # masked while min_tokens is not reached
 
 
 @dataclass
@@ -111,17 +115,24 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(model_config.seed))
         self.requests: dict[str, CachedRequestState] = {}
         self.keep_hidden_states = False  # set by the engine when its proposer drafts from them
+        self.structured_outputs = NullStructuredOutputs()  # the engine installs xgrammar's when it has a tokenizer
         self.micro_batch_overlap = model_config.micro_batch_overlap  # None: when the experts run remotely
 
     # -- state updates from the scheduler ------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_req_ids:
             self.requests.pop(request_id, None)
+            self.structured_outputs.remove(request_id)
         for new in out.scheduled_new_reqs:
+            spec = new.sampling_params.structured_output
+            if spec is not None:  # resumed, or after a remote prefill: continue from its outputs
+                self.structured_outputs.add(
+                    new.request_id, spec, new.token_ids[len(new.token_ids) - new.num_output_tokens :]
+                )
             generator = self._request_generator(new.sampling_params, new.num_output_tokens)
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.sampling_params, list(new.block_ids),
-                new.num_computed_tokens, generator,
+                new.num_computed_tokens, generator, len(new.token_ids) - new.num_output_tokens, new.eos_token_id,
             )  # fmt: skip
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
@@ -194,8 +205,11 @@ class ModelRunner:
             output.hidden_states = {r: TargetHiddenStates(int(a), hidden[int(b) : int(c)])
                                     for r, a, b, c in zip(order, starts, cu[:-1], cu[1:])}  # fmt: skip
         if len(plain_rows):
-            logits = self.model.compute_logits(hidden[self._tensor(cu[1:][plain_rows] - 1)])  # [num_plain, vocab]
+            logits = self.model.compute_logits(
+                hidden[self._tensor(cu[1:][plain_rows] - 1)]
+            ).float()  # [num_plain, vocab]
             plain_states = [states[i] for i in plain_rows]
+            self.structured_outputs.apply_bitmask(logits, [s.request_id for s in plain_states])
             self._collect(plain_states, self.sampler(logits, self._sampling_tensors(plain_states)), output)
         if len(spec_rows):
             self._verify([states[i] for i in spec_rows], [spec[order[i]] for i in spec_rows],
@@ -280,6 +294,7 @@ class ModelRunner:
         for i, (state, token_id) in enumerate(zip(states, token_ids)):
             state.token_ids.append(token_id)
             output.sampled_token_ids[state.request_id] = [token_id]
+            self.structured_outputs.accept(state.request_id, token_id)
             n = state.sampling_params.logprobs
             if n is not None:
                 top = dict(zip(lp_ids[i][1 : 1 + n], lp[i][1 : 1 + n]))
@@ -303,6 +318,7 @@ class ModelRunner:
             need_top_p=any(p.top_p < 1 for p in sampled),
             need_min_p=any(p.min_p > 0 for p in sampled),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            adjustments=LogitsAdjustments.build(states, self.model.cfg.vocab_size, self.device),
         )
 
     def _tensor(self, array: np.ndarray, dtype=torch.int64) -> torch.Tensor:

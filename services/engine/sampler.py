@@ -1,6 +1,7 @@
 """Vectorized sampling for all requests of a round in one call.
 
-Greedy rows take argmax. Other rows: temperature, then top-k, top-p and min-p masks, then the
+First the logits processing that can change the greedy token (min_tokens, logit_bias,
+penalties: `logits_processors.py`). Greedy rows then take argmax. Other rows: temperature, then top-k, top-p and min-p masks, then the
 exponential-race trick (argmax of p / q with q ~ Exp(1)), which samples from p. Seeded requests
 draw q from their own generator, so their output does not depend on what else is batched.
 Logprobs are of the model's raw distribution (before temperature and truncation).
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from moemesh.engine.logits_processors import LogitsAdjustments
 
 
 @dataclass
@@ -25,9 +28,11 @@ class SamplingTensors:
     need_top_p: bool
     need_min_p: bool
     max_num_logprobs: int  # -1: none requested
+    adjustments: LogitsAdjustments | None = None  # None: no row adjusts its logits
 
     def repeat_rows(self, n: int) -> SamplingTensors:
         """Each row n times in a row (one per verified position of a speculating request)."""
+        assert self.adjustments is None, "requests that adjust their logits are not speculated"
         rep = lambda x: x.repeat_interleave(n)  # noqa: E731
         return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p), {},
                                self.all_greedy, self.need_top_k, self.need_top_p, self.need_min_p,
@@ -46,7 +51,8 @@ class Sampler:
         self.generator = generator  # for unseeded rows
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        logits = logits.float()  # [num_reqs, vocab]
+        raw = logits.float()  # [num_reqs, vocab]
+        logits = t.adjustments.apply(raw.clone()) if t.adjustments is not None else raw
         greedy_ids = logits.argmax(dim=-1)
         if t.all_greedy:
             token_ids = greedy_ids
@@ -55,7 +61,7 @@ class Sampler:
             token_ids = torch.where(t.temperature == 0, greedy_ids, token_ids)
         if t.max_num_logprobs < 0:
             return SamplerOutput(token_ids, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(raw, dim=-1)
         sampled = logprobs.gather(1, token_ids[:, None])
         top_vals, top_ids = logprobs.topk(t.max_num_logprobs, dim=-1)
         return SamplerOutput(
@@ -66,7 +72,8 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """The distribution each row samples from: temperature, top-k, top-p, min-p applied
-        (greedy rows: the plain softmax, whose argmax is the greedy token)."""
+        (greedy rows: the plain softmax, whose argmax is the greedy token). `logits` are
+        already adjusted (`t.adjustments`)."""
         temperature = torch.where(t.temperature == 0, torch.ones_like(t.temperature), t.temperature)
         logits = logits.float() / temperature[:, None]
         if t.need_top_k or t.need_top_p:

@@ -199,6 +199,7 @@ class Scheduler:
                     self.kv.get_block_ids(request_id),
                     request.num_computed_tokens,
                     request.num_output_tokens,
+                    request.eos_token_id,
                 )
             )
             self._sent_to_runner.add(request_id)

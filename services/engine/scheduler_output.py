@@ -20,6 +20,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit
     num_output_tokens: int = 0  # of token_ids, already sampled (resumed, or first token from a prefill worker)
+    eos_token_id: int | None = None  # the sampler masks it while min_tokens is not reached
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if layout_from_proto(request.layout) != layout:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV layout mismatch: this worker has {layout}")  # fmt: skip
-        params = dataclasses.replace(sampling, max_tokens=1, stop_token_ids=(), stop=(), ignore_eos=True)
+        # one token; EOS and stop ids stay in the params so that min_tokens masks them for it too
+        params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1), stop=())
         start = time.monotonic()
         parent = telemetry.extract_context(context)
         with self._tracer.start_as_current_span("prefill", context=parent) as span:  # no yield inside

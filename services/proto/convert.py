@@ -3,9 +3,10 @@ beyond mapping). Only workers import it: the router and the operator use the con
 
 from __future__ import annotations
 
+from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_transfer import KVLayout
 from moemesh.engine.request import Logprob
-from moemesh.engine.sampling_params import SamplingParams
+from moemesh.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from moemesh.proto.v1 import common_pb2, prefill_pb2, telemetry_pb2
 
 FINISH_REASONS = {
@@ -27,7 +28,24 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        structured_output=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    kind = p.WhichOneof("kind")
+    if kind == "choice":
+        return StructuredOutputSpec("choice", choices=tuple(p.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputSpec("json_object")
+    if kind is None:
+        raise InvalidRequestError("structured_output names no constraint", param="response_format")
+    return StructuredOutputSpec("json" if kind == "json_schema" else kind, getattr(p, kind))
 
 
 def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:

@@ -130,7 +130,8 @@ class Dispatcher:
         span.set_attribute("moemesh.request_id", request.request_id)
         span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         ctx = telemetry.child_context(span)
-        stream = _Stream(IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids))
+        stream = _Stream(IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids,
+                                                request.sampling.min_tokens))  # fmt: skip
         try:
             chain = self.block_chain(request.prompt_token_ids)
             cached = await self.pool.cached_prefixes(chain)
@@ -211,13 +212,10 @@ class Dispatcher:
                 except StopAsyncIteration:
                     raise _WorkerLost(f"decode worker {worker.worker_id} ended the stream early") from None
                 except TimeoutError:
+                    waited = f"{self._first_token_timeout(request):.0f} s"
                     if stream.sent:
-                        raise _WorkerLost(
-                            f"no token from {worker.worker_id} in {self.first_token_timeout_s} s"
-                        ) from None
-                    raise Unavailable(
-                        f"no first token from {worker.worker_id} in {self.first_token_timeout_s} s"
-                    ) from None
+                        raise _WorkerLost(f"no token from {worker.worker_id} in {waited}") from None
+                    raise FirstTokenTimeout(f"no first token from {worker.worker_id} in {waited}") from None
                 now = time.monotonic()
                 if num_new == 0:
                     if not stream.sent:

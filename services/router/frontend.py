@@ -26,6 +26,7 @@ from moemesh.router.dispatcher import (
     Unavailable,
     WorkerFailedError,
 )
+from moemesh.router.tool_parsers import parser_for
 from moemesh.text.errors import InvalidRequestError
 
 
@@ -38,7 +39,7 @@ class ChoiceDelta:
 
 class Frontend:
     def __init__(self, dispatcher: Dispatcher, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
-                 metrics: RouterMetrics, max_in_flight: int):  # fmt: skip
+                 metrics: RouterMetrics, max_in_flight: int, tool_call_parser: str = "auto"):  # fmt: skip
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -48,6 +49,7 @@ class Frontend:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self._max_token_chars = _max_token_chars(tokenizer)
+        self.tool_parser = parser_for(tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -68,9 +70,10 @@ class Frontend:
         self.check_prompt(token_ids)
         return token_ids
 
-    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:  # fmt: skip
         self._check_text_length("".join(str(m.get("content") or "") for m in messages), "messages")
-        token_ids = await asyncio.to_thread(self._tokenize_chat, messages, add_generation_prompt)
+        token_ids = await asyncio.to_thread(self._tokenize_chat, messages, add_generation_prompt, tools)
         self.check_prompt(token_ids, param="messages")
         return token_ids
 
@@ -79,9 +82,10 @@ class Frontend:
             raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", param="tokens")
         return await asyncio.to_thread(self.tokenizer.decode, token_ids, False)
 
-    def _tokenize_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _tokenize_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools)  # fmt: skip
         except InvalidRequestError as e:
             raise InvalidRequest(str(e), param=e.param or "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

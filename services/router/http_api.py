@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from moemesh import __version__
-from moemesh.router.dispatcher import GenerateInput, RouterError, Unavailable
+from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError, Unavailable
 from moemesh.router.frontend import ChoiceDelta, Frontend
 from moemesh.router.http_guard import GuardSettings, HttpGuard
 from moemesh.router.openai_protocol import (
@@ -38,6 +38,7 @@ from moemesh.router.openai_protocol import (
     now,
     usage,
 )
+from moemesh.router.tool_calls import ToolRequest, merge_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -146,36 +147,49 @@ def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = Gua
         frontend.check_model(body.model)
         body.check_unsupported()
         stop = body.stop_strings()
-        prompt = await frontend.tokenize_chat(body.conversation())
-        inputs = _inputs(frontend, [prompt], body, body.num_logprobs(), stop)
+        tools = ToolRequest(body.tools, body.tool_choice, body.parallel_tool_calls, frontend.tool_parser)
+        prompt = await frontend.tokenize_chat(body.conversation(), tools=tools.prompt_tools())
+        inputs = _inputs(frontend, [prompt], body, body.num_logprobs(), stop, tools.constraint())
         meta = {"id": new_id("chatcmpl"), "created": now(), "model": frontend.model_name}
 
         if body.stream:
             started: set[int] = set()
+            readers: dict[int, object] = {}  # choice -> its tool-call stream reader
+            called: set[int] = set()  # choices that streamed a tool call
 
             def chunk_choices(d: ChoiceDelta, offset: int) -> list[dict]:
-                delta = {"content": d.delta.text} if d.delta.text or not d.delta.finish_reason else {}
+                finish = d.delta.finish_reason
+                if tools.active:
+                    reader = readers.setdefault(d.index, tools.stream())
+                    delta = merge_pieces(reader.feed(d.delta.text, finish is not None))
+                    if "tool_calls" in delta:
+                        called.add(d.index)
+                    finish = tools.finish_reason(finish, d.index in called)
+                else:
+                    delta = {"content": d.delta.text} if d.delta.text or not finish else {}
                 if d.index not in started:  # the first chunk of a choice names the role
                     started.add(d.index)
-                    delta = {"role": "assistant", "content": d.delta.text}
-                elif not (d.delta.text or d.delta.finish_reason or (body.logprobs and d.delta.logprobs)):
+                    delta = {"role": "assistant", "content": delta.pop("content", ""), **delta}
+                elif not (delta or finish or (body.logprobs and d.delta.logprobs)):
                     return []
                 lp = logprob_fmt.chat(d.delta.logprobs) if body.logprobs else None
-                return [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.delta.finish_reason}]
+                return [{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
 
             return await _sse(
                 request, frontend, inputs, body.include_usage, meta, "chat.completion.chunk", chunk_choices
             )
         results = await _collect(request, frontend, inputs)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r["text"]},
-                "logprobs": logprob_fmt.chat(r["logprobs"]) if body.logprobs else None,
-                "finish_reason": r["finish_reason"],
-            }  # fmt: skip
-            for i, r in enumerate(results)
-        ]
+        choices = []
+        for i, r in enumerate(results):
+            message, finish = {"role": "assistant", "content": r["text"]}, r["finish_reason"]
+            if tools.active:
+                content, calls = tools.parse(r["text"])
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = tools.finish_reason(finish, bool(calls))
+            lp = logprob_fmt.chat(r["logprobs"]) if body.logprobs else None
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(results)}
 
     return app
@@ -185,7 +199,8 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "moemesh"}
 
 
-def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | None, stop) -> list:
+def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | None, stop, constraint=None) -> list:
+    """`constraint`: a tool choice's StructuredOutput, exclusive with the body's own."""
     request_id = uuid.uuid4().hex
     inputs = []
     for p, prompt in enumerate(prompts):
@@ -193,6 +208,11 @@ def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | 
         for i in range(body.n):
             choice = p * body.n + i
             sampling = body.sampling(max_tokens, logprobs, i)
+            if constraint is not None:
+                if sampling.HasField("structured_output"):
+                    raise InvalidRequest("tool_choice 'required' or a named function cannot be combined with "
+                                         "response_format or guided decoding", param="tool_choice")  # fmt: skip
+                sampling.structured_output.CopyFrom(constraint)
             inputs.append((p, GenerateInput(f"{request_id}-{choice}", prompt, sampling, stop)))
     return inputs
 

@@ -55,7 +55,8 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
                             first_token_timeout_s=settings.first_token_timeout_s,
                             max_migrations=settings.max_migrations)  # fmt: skip
     vocab = int(checkpoint.hf_config.get("vocab_size") or tokenizer.vocab_size)
-    frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight)
+    frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight,
+                        settings.tool_call_parser)  # fmt: skip
     return frontend, pool
 
 

@@ -5,7 +5,11 @@ documented extras in `ACCEPTED_EXTRAS` (fields vLLM's and OpenAI's clients send)
 with a value that changes nothing here; any other value is a 400 saying it is not supported.
 Integers are range-checked here (never past protobuf's int32/int64), and every string is
 checked for unpaired UTF-16 surrogates (JSON allows `"\\ud800"`; UTF-8 cannot carry it).
-moemesh/vLLM extensions honoured: top_k, min_p, ignore_eos, stop_token_ids.
+Sampling follows vLLM: presence/frequency penalties, logit_bias, any number of stop strings, and
+vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids.
+Structured outputs: `response_format` and vLLM's `guided_*` / `structured_outputs`
+(router/structured_request.py). Tools: `tools`, `tool_choice`, `parallel_tool_calls`
+(router/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moemesh.proto.v1 import common_pb2
 from moemesh.router.dispatcher import InvalidRequest
+from moemesh.router.structured_request import structured_output
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -30,7 +35,6 @@ ACCEPTED_EXTRAS: dict[str, tuple] = {
     "store": (None, False),
     "metadata": (None, {}),
     "service_tier": (None, "auto", "default"),
-    "parallel_tool_calls": (None, True, False),  # no tools -> no parallel calls either way
     # vLLM
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
@@ -81,9 +85,19 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     user: str | None = None
+    # structured outputs (router/structured_request.py)
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -98,19 +112,39 @@ class _SamplingFields(BaseModel):
             if value not in ACCEPTED_EXTRAS[name]:
                 allowed = " or ".join(json.dumps(v) for v in ACCEPTED_EXTRAS[name])
                 raise InvalidRequest(f"{name}={json.dumps(value)} is not supported (only {allowed})", param=name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
         if self.stream_options is not None:
             self.stream_options.check_unsupported()
         for name in type(self).model_fields:
             check_text(getattr(self, name), name)
 
+    def token_biases(self) -> dict[int, float]:
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX or not -100 <= bias <= 100:
+                raise InvalidRequest(
+                    f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}", param="logit_bias"
+                )
+            biases[int(key)] = bias
+        return biases
+
     def sampling(self, max_tokens: int, logprobs: int | None, choice: int) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or (),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.token_biases(), min_tokens=self.min_tokens,
         )  # fmt: skip
+        if self.repetition_penalty != 1.0:
+            params.repetition_penalty = self.repetition_penalty
+        guided = {
+            name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
+        constraint = structured_output(self.response_format, guided, self.structured_outputs)
+        if constraint is not None:
+            params.structured_output.CopyFrom(constraint)
+        if self.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})",
+                                 param="min_tokens")  # fmt: skip
         if self.seed is not None:  # n > 1: distinct but reproducible choices (wrapping within int64)
             params.seed = (self.seed + choice - INT64_MIN) % 2**64 + INT64_MIN
         if logprobs is not None:
@@ -178,6 +212,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is supported
@@ -197,11 +233,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
         if not self.messages:
             raise InvalidRequest("messages must be a non-empty list", param="messages")
 
@@ -242,7 +278,16 @@ class DetokenizeRequest(BaseModel):
 
 
 def _conversation(messages: list[ChatMessage]) -> list[dict]:
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    conversation = []
+    for m in messages:
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+            message["content"] = m.text() if m.content is not None else None
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        conversation.append(message)
+    return conversation
 
 
 # -- responses ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_
 from moemesh.router.api_keys import ENV_VAR as API_KEY_ENV
 from moemesh.router.api_keys import keys_from
 from moemesh.router.http_guard import OPEN_PATHS, GuardSettings
+from moemesh.router.tool_parsers import PARSER_NAMES
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
@@ -51,6 +52,7 @@ class RouterSettings:
     first_token_timeout_s: float = 120.0
     max_migrations: int = 3  # per request: resumptions on another decode worker after a mid-stream failure
     guard: GuardSettings = field(default_factory=GuardSettings)  # API keys, open paths, body limit
+    tool_call_parser: str = "auto"  # how tool calls are read from replies (router/tool_parsers.py)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     mesh: MeshSettings = field(default_factory=MeshSettings)
 
@@ -82,6 +84,7 @@ def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings
             open_paths=tuple(args.open_path) if args.open_path is not None else OPEN_PATHS,
             max_body_bytes=args.max_request_bytes,
         ),
+        tool_call_parser=args.tool_call_parser,
         routing=RoutingSettings(
             policy=args.policy,
             prefill_weight=args.prefill_weight,
@@ -102,6 +105,8 @@ def add_router_arguments(parser) -> None:
     router.add_argument("--aggregated", action="store_true", help="decode workers prefill locally (no prefill workers)")
     router.add_argument("--decode-endpoint", action="append", default=[], help="static decode worker host:port")
     router.add_argument("--prefill-endpoint", action="append", default=[], help="static prefill worker host:port")
+    router.add_argument("--tool-call-parser", default="auto", choices=PARSER_NAMES,
+                        help="format of the model's tool calls (auto: from its chat template)")  # fmt: skip
     router.add_argument("--max-in-flight", type=int, default=1024)
     router.add_argument("--max-migrations", type=int, default=RouterSettings.max_migrations,
                         help="per request: how often a stream may move to another decode worker when its "

@@ -16,6 +16,6 @@ class TokenIdsOnlyTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return ""
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
         raise InvalidRequest("this model has no tokenizer or chat template: use /v1/completions with token ids",
                              param="messages")  # fmt: skip

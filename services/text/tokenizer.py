@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from moemesh.text.errors import InvalidRequestError, ModelLoadError
+from moemesh.text.tool_prompt import with_tools
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -59,20 +60,31 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """`tools` (OpenAI function tools): rendered by the template if it knows them, else in
+        the Hermes style (text/tool_prompt.py)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt", param="messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not _has_content(m):
                 raise InvalidRequestError(f"messages[{i}] must have string 'role' and 'content'", param="messages")
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            try:
+                messages, extra = with_tools(messages, tools, self.chat_template)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise InvalidRequestError(f"bad tool call in messages: {e}", param="messages") from None
+        else:
+            extra = {}
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **extra
         )
 
     # -- construction --------------------------------------------------------------------------
@@ -116,6 +128,12 @@ class Tokenizer:
             with open(jinja_file) as f:
                 template = f.read()
         return cls(backend, bos, eos_ids, bool(config.get("add_bos_token", False)), template)
+
+
+def _has_content(message: dict) -> bool:
+    """A string content, or none beside tool calls (an assistant turn that only calls tools)."""
+    content = message.get("content")
+    return isinstance(content, str) or (content is None and bool(message.get("tool_calls")))
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], split_regex: str | None):

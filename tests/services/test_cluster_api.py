@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
+from openai.lib._parsing._completions import type_to_response_format_param
 from prometheus_client.parser import text_string_to_metric_families
 
 from moemesh.common.prefix_index import PrefixIndex
@@ -31,6 +35,7 @@ from tests.services.cluster_helpers import (
     workers,
 )
 from tests.services.otlp_collector import OtlpCollector
+from tests.services.structured_cases import CASES as STRUCTURED_CASES
 
 MESH = "api"
 PROMPTS = [
@@ -56,12 +61,20 @@ def cluster(redis_server, tmp_path_factory, collector):
     logs = tmp_path_factory.mktemp("cluster-api")
     with test_cluster(redis_server.url, MESH, logs, otlp_endpoint=collector.endpoint) as cluster:
         cluster.add_router("router-rr", "round_robin", ROUTER_ARGS)
+        cluster.add_router("router-agg", "round_robin", (*ROUTER_ARGS, "--aggregated"))
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aggregated_client(cluster):
+    """Through a router whose decode workers prefill locally (the main router disaggregates)."""
+    base_url = cluster.services["router-agg"].http_url + "/v1"
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +135,143 @@ def test_stop_strings_cut_the_text_like_the_offline_engine(client, model, offlin
     response = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[","])
     assert response.choices[0].text == expected.text
     assert response.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_penalties_bias_min_tokens_and_many_stop_strings_equal_the_offline_engine(client, model, offline_llm,
+                                                                                tokenizer, stream):  # fmt: skip
+    """Every vLLM sampling field travels router -> decode -> prefill (this prompt is prefilled
+    remotely, so the first token is sampled by the prefill worker under the same bias)."""
+    prompt = "Count: one, two, three, four, five,"
+    banned = offline(offline_llm, prompt, 1).token_ids[0]
+    stop = [" ten", " eleven", " twelve", "zz", "qq", "xx"]  # more than OpenAI's 4
+    params = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_tokens": 6}
+    expected = offline(offline_llm, prompt, 16, logit_bias={banned: -100.0}, stop=tuple(stop), **params)
+    kwargs = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=stop, logit_bias={str(banned): -100},
+                  presence_penalty=0.5, frequency_penalty=0.3,
+                  extra_body={"repetition_penalty": 1.2, "min_tokens": 6})  # fmt: skip
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    else:
+        text = client.completions.create(**kwargs).choices[0].text
+    assert text == expected.text
+    assert banned not in expected.token_ids
+
+
+def test_parse_returns_objects_valid_against_the_sent_schema_disaggregated_and_aggregated_streamed(
+    cluster, client, aggregated_client, model
+):
+    """openai's `parse` (non-streaming, disaggregated: the prefill worker samples the first token
+    under the grammar, the decode worker continues its matcher) on ten schemas and `stream`
+    (aggregated) on five of them, all at once; every raw output validates with jsonschema against
+    the schema sent."""
+    prefill = next(s for s in workers(cluster) if s.role == "prefill")
+    prefills_before = load_any(prefill).prefix_cache_queries
+
+    def parse(case):
+        prompt, schema = case
+        completion = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": prompt}],
+                                                   response_format=schema, max_tokens=64, temperature=0)  # fmt: skip
+        return completion.choices[0].message.content, completion.choices[0].message.parsed
+
+    def stream(case):
+        prompt, schema = case
+        with aggregated_client.chat.completions.stream(model=model, messages=[{"role": "user", "content": prompt}],
+                                                       response_format=schema, max_tokens=64, temperature=0) as events:  # fmt: skip
+            deltas = "".join(e.delta for e in events if e.type == "content.delta")
+            message = events.get_final_completion().choices[0].message
+        assert deltas == message.content
+        return message.content, message.parsed
+
+    with ThreadPoolExecutor(len(STRUCTURED_CASES) + 5) as pool:
+        parsed = pool.map(parse, STRUCTURED_CASES)
+        streamed = pool.map(stream, STRUCTURED_CASES[::2])
+        results = [*zip(STRUCTURED_CASES, parsed), *zip(STRUCTURED_CASES[::2], streamed)]
+    for (_, schema), (raw, obj) in results:
+        jsonschema.validate(json.loads(raw), type_to_response_format_param(schema)["json_schema"]["schema"])
+        assert isinstance(obj, schema) and obj == schema.model_validate_json(raw)
+    assert load_any(prefill).prefix_cache_queries >= prefills_before + 1  # the disaggregated path ran
+
+
+def test_json_object_choice_and_regex_constraints_and_bad_ones_get_400(client, aggregated_client, model):
+    def chat(c, prompt, **kwargs):
+        messages = [{"role": "user", "content": prompt}]
+        return c.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0, **kwargs)
+
+    choices = ["yes", "no", "maybe"]
+    with ThreadPoolExecutor(6) as pool:
+        objects = [pool.submit(chat, c, "Give the name and age of a person as JSON.", response_format={"type": "json_object"})
+                   for c in (client, aggregated_client)]  # fmt: skip
+        picks = [pool.submit(chat, client, "Is the sea salty?", extra_body={"guided_choice": choices}),
+                 pool.submit(chat, aggregated_client, "Is fire cold?", extra_body={"structured_outputs": {"choice": choices}})]  # fmt: skip
+        code = pool.submit(client.completions.create, model=model, prompt="My phone number is", max_tokens=12,
+                           temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})  # fmt: skip
+        for future in objects:
+            choice = future.result().choices[0]
+            assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
+        assert all(f.result().choices[0].message.content in choices for f in picks)
+        assert re.fullmatch(r"\d{3}-\d{4}", code.result().choices[0].text)
+    for extra, param in [({"guided_regex": "(unclosed"}, "guided_regex"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                          "response_format"),
+                         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+                         ({"response_format": {"type": "xml"}}, "response_format")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "Hi", extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },  # fmt: skip
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_two_turn_get_weather_conversation_with_a_required_tool_call(client, model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=model, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48, temperature=0)
+
+    def streamed_call():
+        name, arguments, ids, finish = "", "", set(), None
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **kwargs):
+            for piece in chunk.choices[0].delta.tool_calls or []:
+                assert piece.index == 0
+                ids |= {piece.id} - {None}
+                name += piece.function.name or ""
+                arguments += piece.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return name, arguments, ids, finish
+
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(streamed_call)
+        first = client.chat.completions.create(messages=messages, **kwargs).choices[0]
+        name, arguments, ids, finish = streaming.result()
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert (name, json.loads(arguments), len(ids), finish) == (call.function.name, json.loads(call.function.arguments),
+                                                               1, "tool_calls")  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "unit": "celsius"})},
+    ]
+    second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=24,
+                                            temperature=0).choices[0]  # fmt: skip
+    assert second.message.content and not second.message.tool_calls
+    assert second.finish_reason in ("stop", "length")
 
 
 def test_logprobs_and_n_and_seed(client, model, offline_llm, tokenizer):

@@ -73,9 +73,23 @@ def assert_error(response: httpx.Response, status: int, param: str | None, error
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
-        ({"model": MODEL, "prompt": "hi", "stop": ["a", ""]}, "stop"),
+        ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", ""]}, "stop"),
         ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
-        ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {str(2**31): 1}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "min_tokens": 2**31}, "min_tokens"),
+        ({"model": MODEL, "prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+        ({"model": MODEL, "prompt": "hi", "guided_choice": []}, "guided_choice"),
+        ({"model": MODEL, "prompt": "hi", "guided_json": "{oops"}, "guided_json"),
+        (
+            {"model": MODEL, "prompt": "hi", "guided_regex": "a", "structured_outputs": {"json_object": True}},
+            "structured_outputs",
+        ),
         ({"model": MODEL, "prompt": []}, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 10**9]}, "prompt"),
         # past protobuf's integer ranges: a 400 naming the field, never a 500
@@ -100,6 +114,11 @@ def test_invalid_chat_requests_get_400(app):
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": image}), 400, "messages")
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}),
                  400, "messages")  # fmt: skip
+    hi = [{"role": "user", "content": "hi"}]
+    assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": hi, "tool_choice": "required"}),
+                 400, "tool_choice")  # fmt: skip
+    bad_call = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]
+    assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": bad_call}), 400, "messages")
 
 
 @pytest.mark.parametrize(

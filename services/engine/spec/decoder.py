@@ -93,7 +93,8 @@ class SpecDecoder:
                 self.config.num_speculative_tokens,
             )
             decoding = request.num_computed_tokens == request.num_tokens - 1
-            if decoding and room > 0 and request.sampling_params.logprobs is None:
+            params = request.sampling_params  # adjusted logits: see engine/logits_processors.py
+            if decoding and room > 0 and params.logprobs is None and not params.adjusts_logits:
                 candidates[request.request_id] = (request, room)
         start = time.perf_counter()
         token_ids = {rid: r.all_token_ids for rid, (r, _) in candidates.items()}
