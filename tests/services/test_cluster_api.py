@@ -611,3 +611,18 @@ def test_a_20_mb_body_gets_413_and_a_concurrent_stream_keeps_flowing(cluster, mo
     assert status == 413
     gaps = [b - a for a, b in zip(times[3:], times[4:])]
     assert len(times) > 40 and max(gaps) < 1.0, gaps
+
+
+def test_a_router_with_api_keys_answers_401_without_one_and_200_with_one(cluster, model):
+    router = cluster.add_router("router-keys", "kv_aware", (*ROUTER_ARGS, "--api-key", "sk-one", "--api-key", "sk-two"))
+    base = router.http_url + "/v1"
+    for key in ("", "sk-wrong"):
+        anonymous = openai.OpenAI(base_url=base, api_key=key or "unset", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as denied:
+            anonymous.completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert denied.value.status_code == 401 and denied.value.body["code"] == "invalid_api_key"
+    for key in ("sk-one", "sk-two"):
+        allowed = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+        assert allowed.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
+    assert urllib.request.urlopen(router.http_url + "/health").status == 200  # probes need no key
+    cluster.stop_service("router-keys")
