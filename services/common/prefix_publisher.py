@@ -21,6 +21,8 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
+import redis
+
 from moemesh.common.block_hash import BlockHash
 from moemesh.common.prefix_index import PrefixIndex
 
@@ -115,10 +117,11 @@ class PrefixIndexPublisher:
         await self._call(self.index.remove_worker, self.worker_id)
 
     async def _call(self, fn, *args):
-        """Run a Redis call in a thread; None if Redis is unreachable (logged once per outage)."""
+        """Run a Redis call in a thread; None if Redis is unreachable or refused it (logged once
+        per outage). Anything else is a bug here and propagates."""
         try:
             result = await asyncio.to_thread(fn, *args)
-        except Exception as e:  # noqa: BLE001 - redis.ConnectionError, TimeoutError, ...
+        except (redis.RedisError, OSError) as e:  # connection refused/reset, timeouts, server errors
             if self._redis_ok:
                 logger.warning("prefix index: Redis unreachable (%s); batches are dropped until it returns", e)
                 self._redis_ok = False

@@ -124,9 +124,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached key; only possible when no block is in use."""
-        if self.num_used_blocks:
+    def reset_prefix_cache(self, even_in_use: bool = False) -> bool:
+        """Forget every cached key; only when no block is in use, unless `even_in_use` (a failed
+        round's KV: blocks still held, e.g. for a KV export, stay allocated but unfindable and
+        return to the free queue unkeyed)."""
+        if self.num_used_blocks and not even_in_use:
             return False
         for block in self.cached_blocks.values():
             block.block_hash = None

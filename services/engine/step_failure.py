@@ -6,7 +6,8 @@ The executor records instead of raising, so every round completes and the engine
 consistent (with execution overlap the next round is already in flight). The thread then drops
 the step's outputs, fails every unfinished request (they all need the missing experts, or will
 at their next step) and the requests those outputs belonged to, and forgets every prefix-cache
-key (blocks are keyed when allocated, so the failed round's blocks were keyed). The engine then
+key, also of blocks still held for a KV export (blocks are keyed when allocated, so the failed
+round's blocks were keyed; none of them may be a prefix hit later). The engine then
 serves new requests as usual; they fail fast until the expert worker is back (or a new placement
 routes around it).
 """
@@ -31,7 +32,8 @@ def fail_unfinished_requests(engine: LLMEngine) -> list[str]:
     aborted request ids. Called by AsyncEngine's thread right after the failed `step()`."""
     request_ids = [rid for rid, request in engine.scheduler.requests.items() if not request.is_finished]
     engine.abort_request(request_ids)
-    if not engine.kv_cache_manager.pool.reset_prefix_cache():
-        logger.warning("prefix cache kept after a failed step: %d blocks are still in use",
-                       engine.kv_cache_manager.num_used_blocks)  # fmt: skip
+    held = engine.kv_cache_manager.num_used_blocks  # e.g. finished prefills waiting for their KV export
+    engine.kv_cache_manager.pool.reset_prefix_cache(even_in_use=True)  # the index resyncs ("cleared")
+    if held:
+        logger.info("prefix cache forgotten after a failed step, also the keys of %d blocks still held", held)
     return request_ids

@@ -118,3 +118,16 @@ def test_prefix_caching_off_never_hits():
     kv.free(a)
     assert kv.get_computed_blocks(make_request("b", 9)) == ([], 0)
     assert kv.pool.cached_blocks == {}
+
+
+def test_a_forced_prefix_reset_forgets_blocks_still_in_use_and_they_return_unkeyed():
+    kv = make_kv(num_blocks=10)
+    held = make_request("held", 12)  # e.g. a finished prefill whose KV waits for export
+    kv.allocate_slots(held, 12)
+    assert len(kv.pool.cached_blocks) == 3 and kv.num_used_blocks == 3
+    assert not kv.pool.reset_prefix_cache()  # refused while in use ...
+    assert kv.pool.reset_prefix_cache(even_in_use=True)  # ... unless forced (a failed round's KV)
+    assert kv.pool.cached_blocks == {} and kv.drain_events().cleared
+    assert kv.get_computed_blocks(make_request("again", 13)) == ([], 0)  # no prefix hit on the garbage
+    kv.free(held)
+    assert all(b.block_hash is None for b in kv.pool.blocks[1:4]) and kv.num_free_blocks == 9
