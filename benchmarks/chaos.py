@@ -29,14 +29,12 @@ from dataclasses import dataclass, field
 import httpx
 
 PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the ocean:",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "Water boils at a temperature of",
-    "A good way to learn a new language is",
-    "The largest planet in the solar system is",
+    "List three uses of copper:",
+    "The main ingredients of bread are",
+    "Explain what a compiler does in one sentence:",
+    "The tallest mountain on Earth is",
+    "Translate 'good morning' into Spanish:",
+    "A healthy breakfast could include",
 ]
 
 
