@@ -47,7 +47,12 @@ class LLMEngine:
         checkpoint = open_checkpoint(config.model.model)
         self.tokenizer = checkpoint.tokenizer
         self.model = build_model(
-            checkpoint, config.model.dtype, config.model.device, show_progress, config.model.load_routed_experts
+            checkpoint,
+            config.model.dtype,
+            config.model.device,
+            show_progress,
+            config.model.load_routed_experts,
+            config.model.quantization,
         )
         self.model_id = checkpoint.model_id
         self.max_model_len = min(config.model.max_model_len or 1 << 30, self.model.cfg.max_position)
