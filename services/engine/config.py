@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from moemesh.engine.errors import ConfigError
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATION = ("auto", "gguf", "none")
 
 
@@ -19,7 +19,7 @@ class ModelConfig:
     """Which checkpoint to load and how to run it."""
 
     model: str  # GGUF file or Hugging Face directory
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 where the hardware has it natively, else float32 (engine/dtype.py)
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     seed: int = 0

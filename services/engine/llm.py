@@ -17,7 +17,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         max_model_len: int | None = None,
         block_size: int = 16,
