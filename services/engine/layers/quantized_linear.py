@@ -26,6 +26,7 @@ module's `linear`.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -142,10 +143,26 @@ class QuantizedLinear(nn.Module):
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         n = self.out_features
+        if self.form == "int8":  # one pass per chunk into a reused buffer: codes * scale in x's dtype
+            y = x.new_empty(x.shape[0], n)  # [M, N]
+            for r in range(0, n, CHUNK_ROWS):
+                rows = slice(r, min(r + CHUNK_ROWS, n))
+                y[:, rows] = F.linear(x, self._int8_rows(rows, x.dtype))
+            return y
         if n <= CHUNK_ROWS:
             return F.linear(x, self.dequantize_rows(slice(None), x.dtype))
         parts = [F.linear(x, self.dequantize_rows(slice(r, r + CHUNK_ROWS), x.dtype)) for r in range(0, n, CHUNK_ROWS)]
         return torch.cat(parts, dim=-1)
+
+    def _int8_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:  # [R, K] in a scratch buffer
+        """codes * scale for a slice of rows, in one pass. Exact in float32 (8-bit codes times a
+        float16 scale, or 6-bit times d * sc, fit its 24 bits); in bfloat16 the exact product is
+        rounded once, as a float32 dequantization cast to bf16 would be."""
+        codes = self.codes[:, rows].transpose(0, 1)  # [R, G, group] int8
+        scales = self.scales[:, rows].T.to(dtype)[..., None]  # [R, G, 1]
+        out = _scratch(codes.shape[0] * self.in_features, dtype).view(codes.shape)
+        torch.mul(codes, scales, out=out)
+        return out.view(-1, self.in_features)
 
     def dequantize_rows(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [R, K]
         """Rows of the real weight (all with `slice(None)`), computed in float32 then cast."""
@@ -165,6 +182,18 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype} as {self.form}"
+
+
+_local = threading.local()  # per thread: an engine runs one forward at a time on its thread
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused flat buffer for a dequantized chunk (at most CHUNK_ROWS x K)."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class QuantizedEmbedding(nn.Module):

@@ -122,10 +122,11 @@ def _load(
             gguf.load(checkpoint)
     except ValueError as e:
         raise ModelLoadError(f"checkpoint does not fit {label}: {e}") from e
+    tables = {m: m.cos_sin_cache for m in model.modules() if hasattr(m, "cos_sin_cache")}
     model = cast_floating(model, DTYPES[dtype]).to(device=device)
-    for module in model.modules():  # keep RoPE tables in float32 whatever the model dtype
-        if hasattr(module, "cos_sin_cache"):
-            module.cos_sin_cache = module.cos_sin_cache.float()
+    moved: dict[int, torch.Tensor] = {}
+    for module, table in tables.items():  # RoPE tables stay float32 and shared by the layers, any dtype
+        module.cos_sin_cache = moved.setdefault(id(table), table.to(device))
     return model.eval()
 
 
