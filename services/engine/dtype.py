@@ -17,7 +17,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _warned: set[str] = set()
 
 
-def cpu_flags() -> frozenset[str]:
+def read_cpu_flags() -> frozenset[str]:
     """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -27,6 +27,9 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+cpu_flags = read_cpu_flags  # what resolution reads (tests replace it to force a branch)
 
 
 def has_native_bf16() -> bool:
