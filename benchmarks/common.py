@@ -30,3 +30,16 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         if j == 0:
             print(line)
     print(line)
+
+
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx_vnni")
+
+
+def cpu_flags() -> list[str]:
+    """The /proc/cpuinfo flags that decide which PyTorch CPU kernels are vectorized."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in _FLAGS if f in flags]

@@ -1,10 +1,19 @@
-"""Offline throughput: moemesh vs Hugging Face transformers on the same prompts, same run.
+"""Offline throughput: moemesh vs Hugging Face transformers and llama.cpp on the same prompts, same run.
 
-    python benchmarks/offline_throughput.py [--num-requests 16 64] [--dtypes float32 bfloat16]
+    python benchmarks/offline_throughput.py [--num-requests 64] [--max-tokens 128] [--skip-hf-continuous]
 
-Greedy, ignore_eos, 128 new tokens per request. Peers: HF static batching (`generate` with left
-padding, one batch) and HF continuous batching (`generate_batch`). Also single-request decode.
-Prints tokens/s and the ratio to HF static in the same dtype.
+Greedy, ignore_eos, `--max-tokens` new tokens per request, at 1 request and at each
+`--num-requests`. Rows:
+- moemesh quantized: bfloat16 activations, the GGUF's Q4_1/Q8_0 weights kept quantized
+  (what dtype / quantization "auto" pick on a CPU with native bf16);
+- moemesh float32: weights dequantized to float32 at load (what "auto" picks without native bf16);
+- HF static batching (`generate` with left padding, one batch) and HF continuous batching
+  (`generate_batch`), both on the file dequantized to the row's dtype;
+- llama.cpp (`llama-cpp-python`, the `bench` extra; never a test dependency) on the same GGUF file,
+  as many threads as torch uses; its Python API decodes one sequence at a time, so it runs the
+  1-request case only.
+Prints tokens/s, the ratio to HF static in the same dtype (and to llama.cpp at 1 request),
+resident weight bytes per engine and the CPU flags.
 """
 
 from __future__ import annotations
@@ -17,10 +26,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import make_prompts, print_table  # noqa: E402
+from common import cpu_flags, make_prompts, print_table  # noqa: E402
 
 from moemesh import LLM, SamplingParams  # noqa: E402
 from moemesh.engine.loader import default_model_path  # noqa: E402
+
+ENGINES = {"quantized": ("bfloat16", "gguf"), "float32": ("float32", "none")}  # row -> (dtype, quantization)
 
 
 def run_moemesh(llm: LLM, prompt_ids: list[list[int]], max_tokens: int) -> float:
@@ -60,40 +71,90 @@ def run_hf_continuous(model, prompt_ids: list[list[int]], max_tokens: int) -> fl
     return sum(len(r.generated_tokens) for r in results.values()) / elapsed
 
 
+def run_llama_cpp(path: str, prompt_ids: list[int], max_tokens: int) -> float | None:
+    """Tokens/s of one greedy sequence (EOS ignored: the generator is simply read max_tokens times);
+    the prompt is evaluated inside the timing, as moemesh's and HF's prefill are."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    for steps, _ in enumerate(llm.generate(prompt_ids, temp=0.0, reset=True)):  # warm-up
+        if steps >= 4:
+            break
+    start = time.perf_counter()
+    num = 0
+    for num, _ in enumerate(llm.generate(prompt_ids, temp=0.0, reset=True), start=1):
+        if num >= max_tokens:
+            break
+    return num / (time.perf_counter() - start)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Parameters and buffers once each, RoPE tables (derived, not weights) left out."""
+    tensors = {t.data_ptr(): t for name, t in [*module.named_parameters(), *module.named_buffers()]
+               if "cos_sin" not in name and "inv_freq" not in name}  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def mb(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, nargs="+", default=[64])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-hf-continuous", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch and llama.cpp threads (default: torch's); on a shared machine 1 avoids "
+                             "OpenMP barrier stalls (llama.cpp on 2 busy vCPUs: 100 tok/s with 1 thread, 6 with 2)")  # fmt: skip
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
     folder, name = os.path.dirname(path), os.path.basename(path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    rows = []
-    for dtype in args.dtypes:
+    file_bytes = os.path.getsize(path)
+    counts = [1] + args.num_requests
+    prompts = {num: [tokenizer(p).input_ids for p in make_prompts(num)] for num in counts}
+    llama_cpp = run_llama_cpp(path, prompts[1][0], args.max_tokens)
+    rows, sizes = [], [["GGUF file", mb(file_bytes), "1.00x"]]
+    if llama_cpp is not None:
+        sizes.append(["llama.cpp (mmaps the file)", mb(file_bytes), "1.00x"])
+    for engine, (dtype, quantization) in ENGINES.items():
         torch_dtype = getattr(torch, dtype)
         hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype).eval()
-        llm = LLM(path, dtype=dtype, max_num_seqs=max(args.num_requests), show_progress=False)
-        for num in [1] + args.num_requests:
-            prompt_ids = [tokenizer(p).input_ids for p in make_prompts(num)]
-            ours = run_moemesh(llm, prompt_ids, args.max_tokens)
-            static = run_hf_static(hf, tokenizer, prompt_ids, args.max_tokens)
-            rows.append([dtype, num, "moemesh", f"{ours:.1f}", f"{ours / static:.2f}x"])
-            rows.append([dtype, num, "HF static batching", f"{static:.1f}", "1.00x"])
+        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_seqs=max(counts), show_progress=False)
+        sizes.append([f"moemesh {engine}", mb(weight_bytes(llm.engine.model)),
+                      f"{weight_bytes(llm.engine.model) / file_bytes:.2f}x"])  # fmt: skip
+        sizes.append([f"HF {dtype}", mb(weight_bytes(hf)), f"{weight_bytes(hf) / file_bytes:.2f}x"])
+        for num in counts:
+            ours = run_moemesh(llm, prompts[num], args.max_tokens)
+            static = run_hf_static(hf, tokenizer, prompts[num], args.max_tokens)
+            vs_llama = f"{ours / llama_cpp:.2f}x" if num == 1 and llama_cpp else "-"
+            rows.append([dtype, num, f"moemesh {engine}", f"{ours:.1f}", f"{ours / static:.2f}x", vs_llama])
+            rows.append([dtype, num, "HF static batching", f"{static:.1f}", "1.00x", "-"])
             if not args.skip_hf_continuous and num > 1:
                 try:
-                    cb = f"{run_hf_continuous(hf, prompt_ids, args.max_tokens):.1f}"
+                    cb = f"{run_hf_continuous(hf, prompts[num], args.max_tokens):.1f}"
                     ratio = f"{float(cb) / static:.2f}x"
                 except Exception as e:  # report, don't hide, a peer that fails here
                     cb, ratio = f"failed: {type(e).__name__}", "-"
-                rows.append([dtype, num, "HF continuous batching", cb, ratio])
-            print_table(["dtype", "requests", "engine", "tok/s", "vs HF static"], rows)
+                rows.append([dtype, num, "HF continuous batching", cb, ratio, "-"])
+            print_table(["dtype", "requests", "engine", "tok/s", "vs HF static", "vs llama.cpp"], rows)
         del hf, llm
-    print(f"\n{args.max_tokens} new tokens per request, greedy, ignore_eos; torch threads: {torch.get_num_threads()}")
+    if llama_cpp is None:
+        print("llama.cpp: not installed (pip install -e '.[bench]')")
+    else:
+        print(f"llama.cpp (GGUF as is), 1 request: {llama_cpp:.1f} tok/s")
+    print_table(["weights", "resident bytes", "vs GGUF file"], sizes)
+    print(f"\n{args.max_tokens} new tokens per request, greedy, ignore_eos; torch threads: {torch.get_num_threads()}; "
+          f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     fn(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
-    fn = paged_decode_attention_triton if _use_triton(query) else paged_decode_attention_ref
-    return fn(query, k_cache, v_cache, block_tables, context_lens, scale)
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, plan=None):
+    """`plan`: the round's DecodePlan (paged_attention.py), which the torch reference reuses."""
+    if _use_triton(query):
+        return paged_decode_attention_triton(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(query, k_cache, v_cache, block_tables, context_lens, scale, plan)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
@@ -53,11 +55,12 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_num_blocks] int32
     num_decode_reqs: int,
     scale: float,
+    decode_plan=None,  # a DecodePlan of an all-decode round, shared by its layers (torch reference only)
 ) -> torch.Tensor:
     """One round's attention: the first `num_decode_reqs` requests have one query token each."""
     d = num_decode_reqs
     if d == context_lens.shape[0]:
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, decode_plan)
     if d == 0:
         return paged_prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
     decode_out = paged_decode_attention(query[:d], k_cache, v_cache, block_tables[:d], context_lens[:d], scale)
@@ -82,9 +85,12 @@ def fused_add_rms_norm(x, residual, weight, eps):
     return fn(x, residual, weight, eps)
 
 
-def rotary_embedding(positions, query, key, cos_sin_cache, is_neox_style=True):
-    fn = rotary_embedding_triton if _use_triton(query) else rotary_embedding_ref
-    return fn(positions, query, key, cos_sin_cache, is_neox_style)
+def rotary_embedding(positions, query, key, cos_sin_cache, is_neox_style=True, cos_sin=None):
+    """`cos_sin`: cos_sin_cache[positions] when the caller already has it (the torch reference
+    then skips the gather; the layers of one round share it)."""
+    if _use_triton(query):
+        return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox_style)
+    return rotary_embedding_ref(positions, query, key, cos_sin_cache, is_neox_style, cos_sin)
 
 
 def topk_softmax(router_logits, top_k, renormalize):

@@ -21,8 +21,7 @@ def rms_norm_ref(
     weight: torch.Tensor,  # [hidden]
     eps: float,
 ) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps)  # x * rsqrt(mean(x^2) + eps), float32
     return xf.to(x.dtype) * weight  # cast, then scale, as Hugging Face's Llama does
 
 

@@ -40,6 +40,20 @@ def gather_kv(
     return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
+class DecodePlan:
+    """What the decode attention of every layer of one round shares (block tables cut to the
+    longest context, the padding mask): computed once per round (`plan_decode`), not per layer."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
+        max_len = int(context_lens.max()) if context_lens.numel() else 0
+        self.num_blocks = -(-max_len // block_size)
+        self.tables = block_tables[:, : self.num_blocks].long()  # [num_reqs, num_blocks]
+        pos = torch.arange(self.num_blocks * block_size, device=context_lens.device)
+        masked = pos[None, :] >= context_lens[:, None]  # [num_reqs, num_blocks * block_size]
+        self.masked = masked[:, None, None, :]  # broadcast over kv heads and query rows
+        self.any_empty = max_len > 0 and int(context_lens.min()) == 0
+
+
 def paged_decode_attention_ref(
     query: torch.Tensor,  # [num_reqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -47,6 +61,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # [num_reqs, max_num_blocks] int32
     context_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
+    plan: DecodePlan | None = None,  # the round's, shared by its layers; None: computed here
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """The whole decode batch in two batched matmuls. GQA without copies: the `group` query heads
     sharing a kv head are laid out as `group` query rows of that head (no causal mask is needed:
@@ -56,20 +71,16 @@ def paged_decode_attention_ref(
         return query.new_empty(query.shape)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(context_lens.max())
-    if max_len == 0:
+    plan = plan or DecodePlan(block_tables, context_lens.to(query.device), block_size)
+    if plan.num_blocks == 0:
         return torch.zeros_like(query)
-    num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks]
-    k = gather_kv(k_cache, tables).transpose(1, 2)  # [num_reqs, kvh, num_blocks * block_size, d]
-    v = gather_kv(v_cache, tables).transpose(1, 2)
+    k = gather_kv(k_cache, plan.tables).transpose(1, 2)  # [num_reqs, kvh, num_blocks * block_size, d]
+    v = gather_kv(v_cache, plan.tables).transpose(1, 2)
     q = query.view(num_reqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float().mul_(scale)  # [num_reqs, kvh, g, len]
-    pos = torch.arange(num_blocks * block_size, device=query.device)
-    masked = pos[None, :] >= context_lens[:, None].to(query.device)  # [num_reqs, num_blocks * block_size]
-    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    scores.masked_fill_(plan.masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if int(context_lens.min()) == 0:  # an empty request: its fully masked row is NaN
+    if plan.any_empty:  # an empty request: its fully masked row is NaN
         probs = probs.nan_to_num_(0.0)
     out = torch.matmul(probs.to(v.dtype), v)  # [num_reqs, kvh, g, d] -> heads in order
     return out.reshape(num_reqs, num_heads, head_dim).to(query.dtype)

@@ -29,8 +29,11 @@ def rotary_embedding_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] float32
     is_neox_style: bool = True,
+    cos_sin: torch.Tensor | None = None,  # [num_tokens, rotary_dim] cos_sin_cache[positions], if known
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, rotary_dim / 2]
+    if cos_sin is None:
+        cos_sin = cos_sin_cache[positions]
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [num_tokens, rotary_dim / 2]
     return _rotate(query, cos, sin, is_neox_style), _rotate(key, cos, sin, is_neox_style)
 
 

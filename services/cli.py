@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: bfloat16 where the CPU has native bf16, else float32",
+    )
     gen.set_defaults(func=_generate)
 
     from moemesh.launcher.up import add_up_arguments

@@ -1,11 +1,25 @@
 """Shared fixtures: the default model and its Hugging Face oracle, loaded once per session, and
-the real redis-server of the session (tests/redis_process.py) with a per-test client."""
+the real redis-server of the session (tests/redis_process.py) with a per-test client.
+
+In-process engines resolve dtype "auto" as on a CPU without native bf16 (float32, GGUF weights
+dequantized at load), whatever machine runs the suite: the oracle tests compare against float32
+Hugging Face. Tests of bf16 / quantized paths ask for them explicitly; tests of the resolution
+patch the flags themselves. Service tests start their workers with --dtype float32."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _auto_dtype_is_float32():
+    from moemesh.engine import dtype
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dtype, "cpu_flags", lambda: frozenset())
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +52,7 @@ def smollm(smollm_path):
     """One float32 engine with default settings, shared by tests that do not change config."""
     from moemesh import LLM
 
-    return LLM(smollm_path, show_progress=False)
+    return LLM(smollm_path, dtype="float32", show_progress=False)
 
 
 @pytest.fixture(scope="session")

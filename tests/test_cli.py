@@ -10,7 +10,7 @@ def test_generate_prints_the_greedy_completion(smollm):
     from moemesh import SamplingParams
 
     expected = smollm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8))[0].text
-    result = run_cli("generate", "The capital of France is", "--max-tokens", "8")
+    result = run_cli("generate", "The capital of France is", "--max-tokens", "8", "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected.strip()
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from moemesh.engine.errors import ConfigError
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATION = ("auto", "gguf", "none")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class ModelConfig:
     """Which checkpoint to load and how to run it."""
 
     model: str  # GGUF file or Hugging Face directory
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 where the hardware has it natively, else float32 (engine/dtype.py)
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     seed: int = 0
@@ -27,10 +28,17 @@ class ModelConfig:
     # so one's attention runs while the other's routed experts run. None: on when the expert
     # executor runs them asynchronously (remote experts); True / False: always / never.
     micro_batch_overlap: bool | None = None
+    # A GGUF file's quantized weights. "gguf": they stay quantized in memory
+    # (layers/quantized_linear.py); "none": dequantized to `dtype` at load; "auto": "gguf" where a
+    # vectorized PyTorch kernel serves `dtype` (bfloat16 on CPU), else "none". Other checkpoints
+    # are unaffected.
+    quantization: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in _QUANTIZATION:
+            raise ConfigError(f"quantization must be one of {_QUANTIZATION}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -17,7 +17,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         max_model_len: int | None = None,
         block_size: int = 16,
@@ -32,6 +32,7 @@ class LLM:
         speculative: SpecConfig | None = None,
         show_progress: bool = True,
         micro_batch_overlap: bool | None = None,  # MoE ping-pong; None: with remote experts only
+        quantization: str = "auto",  # GGUF weights: "gguf" keep quantized, "none" dequantize, "auto"
     ):
         config = EngineConfig(
             model=ModelConfig(
@@ -41,6 +42,7 @@ class LLM:
                 max_model_len,
                 seed,
                 micro_batch_overlap=micro_batch_overlap,
+                quantization=quantization,
             ),
             cache=CacheConfig(block_size, num_blocks, kv_memory_gib, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),

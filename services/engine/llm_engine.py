@@ -14,6 +14,7 @@ worker adds requests with `kv_export_start` and calls `export_kv` on each that f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -23,6 +24,7 @@ import torch
 
 from moemesh.common.block_hash import HashExtra
 from moemesh.engine.config import EngineConfig
+from moemesh.engine.dtype import resolve_dtype
 from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_cache_manager import KVCacheManager
 from moemesh.engine.kv_transfer import ExportedKV, KVLayout, RemoteKV, cache_tensors, gather_kv, kv_layout, scatter_kv
@@ -44,11 +46,19 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
+        # "auto" resolved once here; the engine's components see the concrete dtype
+        dtype = resolve_dtype(config.model.dtype, config.model.device)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
         self.config = config
         checkpoint = open_checkpoint(config.model.model)
         self.tokenizer = checkpoint.tokenizer
         self.model = build_model(
-            checkpoint, config.model.dtype, config.model.device, show_progress, config.model.load_routed_experts
+            checkpoint,
+            config.model.dtype,
+            config.model.device,
+            show_progress,
+            config.model.load_routed_experts,
+            config.model.quantization,
         )
         self.model_id = checkpoint.model_id
         self.max_model_len = min(config.model.max_model_len or 1 << 30, self.model.cfg.max_position)

@@ -280,6 +280,7 @@ class ModelRunner:
             self.model.compute_logits(self.model(ids, ids, meta))  # warm-up
             times = []
             for _ in range(repeats):
+                meta.derived.clear()  # a real round builds its decode plan and RoPE gather too
                 start = time.perf_counter()
                 self.model.compute_logits(self.model(ids, ids, meta))
                 times.append(time.perf_counter() - start)

@@ -33,6 +33,7 @@ from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import ExpertMetrics
 from moemesh.common.placement import PlacementError, PlacementStore
 from moemesh.common.settings import served_model_name
+from moemesh.engine.dtype import resolve_dtype
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader import default_model_path, open_checkpoint
 from moemesh.engine.loader.build import DTYPES
@@ -50,7 +51,9 @@ class ExpertWorker:
     def __init__(self, settings: WorkerSettings, checkpoint, shape: MoEShape, clock=time.monotonic):
         self.settings, self.shape, self.clock = settings, shape, clock
         self.model_id = checkpoint.model_id
-        dtype, device = DTYPES[settings.engine.dtype], settings.engine.device
+        device = settings.engine.device
+        self.dtype_name = resolve_dtype(settings.engine.dtype, device)  # "auto" resolved as the engine does
+        dtype = DTYPES[self.dtype_name]
 
         def read(wanted):
             weights = read_expert_weights(checkpoint, shape, wanted, dtype)
@@ -169,7 +172,7 @@ class ExpertWorker:
 
     def _status(self) -> expert_pb2.ExpertStatus:
         status = expert_pb2.ExpertStatus(
-            worker_id=self.settings.worker_id, model_id=self.model_id, dtype=self.settings.engine.dtype,
+            worker_id=self.settings.worker_id, model_id=self.model_id, dtype=self.dtype_name,
             num_moe_layers=self.shape.num_layers, num_experts=self.shape.num_experts, serving=self._serving,
             active_version=self.active_version, loaded_versions=self.replicas.versions(),
             num_in_flight=self.servicer.num_in_flight, expert_tokens=self.servicer.total_counts.reshape(-1).tolist(),

@@ -83,7 +83,7 @@ def add_speculation_arguments(parser) -> None:
 @dataclass(frozen=True)
 class EngineSettings:
     model: str | None = None  # GGUF / HF dir; None: the default SmolLM2
-    dtype: str = "float32"
+    dtype: str = "auto"  # engine/dtype.py: bfloat16 with native bf16 (or on GPU), else float32
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
@@ -209,7 +209,12 @@ def expert_settings(args, config: dict) -> ExpertSettings:
 
 def add_worker_arguments(parser) -> None:
     worker = parser.add_argument_group("prefill / decode workers")
-    worker.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    worker.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32",
+    )
     worker.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
     worker.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: by memory)")
     worker.add_argument("--kv-memory-gib", type=float, default=1.0)

@@ -203,6 +203,7 @@ async def create_mesh(emulator, mesh: dict) -> None:
 
 async def test_a_deepseek_v3_mesh_with_expert_pods_from_a_pvc_serves_as_the_offline_engine_does(cluster, tmp_path):
     from moemesh import LLM
+    from moemesh.engine.dtype import NATIVE_BF16_FLAGS, read_cpu_flags
     from moemesh.engine.sampling_params import SamplingParams
 
     emulator, hosts, node, docs = cluster
@@ -219,7 +220,10 @@ async def test_a_deepseek_v3_mesh_with_expert_pods_from_a_pvc_serves_as_the_offl
             "router": 1, "prefill": 1, "decode": 2, "expert": 2}  # fmt: skip
         (router,) = kubelet.pods_of("router")
         client = openai.OpenAI(base_url=f"http://{router.ip}:{router.port('http')}/v1", api_key="unused")
-        offline = LLM(str(checkpoint), num_blocks=256, max_model_len=256, show_progress=False)
+        # the pods resolve dtype "auto" from this machine's real CPU flags (tests/conftest.py makes the
+        # suite's own "auto" float32), so the oracle runs in the dtype they do
+        pods_dtype = "bfloat16" if set(NATIVE_BF16_FLAGS) & read_cpu_flags() else "float32"
+        offline = LLM(str(checkpoint), dtype=pods_dtype, num_blocks=256, max_model_len=256, show_progress=False)
         conversations = [[{"role": "user", "content": " ".join(f"w{(7 * i + j) % VOCAB}" for j in range(3 + 2 * i))}]
                          for i in range(4)]  # fmt: skip
         for messages in conversations:  # the requests spread over both decode pods and the prefill pod

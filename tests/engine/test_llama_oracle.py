@@ -3,46 +3,11 @@ same file, under batching, prefix caching, chunked prefill and preemption."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from moemesh import LLM, SamplingParams
+from moemesh import LLM
 
-from .oracle_helpers import max_rel_error, prefill_then_decode_logits
-
-MAX_NEW = 24
-PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    ",
-    "1, 2, 3, 4,",
-    "Über café naïve — 日本語のテスト",
-    "Here is a long story about a lighthouse keeper who lived alone on a rocky island far from the "
-    "coast. Every night he climbed the stairs, lit the lamp, and watched the ships pass. One winter",
-    "Q: What is the boiling point of water at sea level?\nA:",
-    "import numpy as np\n\nx = np.arange(10)\n",
-    "The three primary colors are",
-]
-CHAT = [{"role": "user", "content": "Name two planets of the solar system."}]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(hf_tokenizer):
-    ids = [hf_tokenizer(p).input_ids for p in PROMPTS]
-    chat = hf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
-    return ids + [list(chat)]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(hf_model, prompt_ids):
-    """One prompt at a time (no padding): the plain oracle."""
-    outputs = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-            outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+from .oracle_helpers import CHAT, GREEDY, max_rel_error, prefill_then_decode_logits
 
 
 def test_all_prompts_in_one_mixed_batch_match_hf(smollm, prompt_ids, hf_greedy):

@@ -10,8 +10,8 @@ from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, Service
 from moemesh.proto.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, telemetry_pb2
 
 MAX_MODEL_LEN = 1024
-# small pools, one thread, remote prefill from 8 uncached tokens on
-WORKER_ARGS = ("--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
+# small pools, one thread, remote prefill from 8 uncached tokens on; float32 like the offline oracle
+WORKER_ARGS = ("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
                "--min-remote-prefill-tokens", "8", "--kv-transfer-timeout", "20")  # fmt: skip
 ROUTER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
 

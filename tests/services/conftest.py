@@ -15,7 +15,7 @@ def offline_llm(smollm_path):
     from moemesh import LLM
 
     torch.set_num_threads(1)
-    return LLM(smollm_path, num_blocks=256, max_model_len=1024, show_progress=False)
+    return LLM(smollm_path, dtype="float32", num_blocks=256, max_model_len=1024, show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        all_decode = meta.num_decode_reqs == meta.context_lens.shape[0]
+        plan = meta.decode_plan(self.k_cache.shape[1]) if all_decode and not q.is_cuda else None
         return kernels.paged_attention(
             q,
             self.k_cache,
@@ -43,4 +45,5 @@ class Attention(nn.Module):
             meta.block_tables,
             meta.num_decode_reqs,
             self.scale,
+            plan,
         )

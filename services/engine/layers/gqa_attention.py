@@ -35,6 +35,6 @@ class GQAAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, meta.rope_cos_sin(self.rotary_emb.cos_sin_cache, positions))
         o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.reshape(-1, self.q_size))

@@ -48,5 +48,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.is_neox_style = is_neox_style
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor | None = None):
+        """`cos_sin`: cos_sin_cache[positions] if the caller has it (AttentionMetadata.rope_cos_sin)."""
+        return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style, cos_sin)

@@ -22,6 +22,7 @@ from moemesh.engine.loader.fp8_checkpoint import (
     tensor_names,
     weight_name,
 )
+from moemesh.engine.loader.gguf_quant import keeps_quantized, plan_gguf
 from moemesh.engine.models import get_model_class
 from moemesh.engine.models.config import TransformerConfig
 from moemesh.engine.models.expert_names import is_routed_expert_weight
@@ -31,10 +32,16 @@ _MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
 def build_model(
-    checkpoint: Checkpoint, dtype: str, device: str, show_progress: bool = True, load_routed_experts: bool = True
+    checkpoint: Checkpoint,
+    dtype: str,
+    device: str,
+    show_progress: bool = True,
+    load_routed_experts: bool = True,
+    quantization: str = "auto",
 ) -> nn.Module:
     """`load_routed_experts=False`: MoE layers hold no routed expert weights (neither read nor
-    allocated); only a remote ExpertExecutor can run them."""
+    allocated); only a remote ExpertExecutor can run them. `quantization` (ModelConfig): whether
+    a GGUF file's quantized projections and embedding stay quantized (loader/gguf_quant.py)."""
     cfg = TransformerConfig.from_hf(checkpoint.hf_config)
     model_class = get_model_class(cfg.architecture)
     with torch.device("meta"):
@@ -45,7 +52,8 @@ def build_model(
             if isinstance(module, RoutedExperts):
                 module.drop_weights()
         select = lambda name: not is_routed_expert_weight(weight_name(name))  # noqa: E731 - scales too
-    return _load(model, cfg, checkpoint, select, dtype, device, show_progress, cfg.architecture, swap_fp8=True)
+    return _load(model, cfg, checkpoint, select, dtype, device, show_progress, cfg.architecture, swap_fp8=True,
+                 keep_gguf_quantized=keeps_quantized(checkpoint, quantization, dtype, device))  # fmt: skip
 
 
 def build_mtp_model(checkpoint: Checkpoint, dtype: str, device: str) -> nn.Module:
@@ -82,9 +90,15 @@ def _load(
     show_progress: bool,
     label: str,
     swap_fp8: bool = False,
+    keep_gguf_quantized: bool = False,
 ) -> nn.Module:
     """Materialize a model built on the meta device and copy the selected tensors in."""
     fp8 = _fp8_plan(model, checkpoint, select, swap_fp8)  # None: not a block-FP8 checkpoint
+    gguf = None
+    if keep_gguf_quantized:
+        gguf = plan_gguf(model, checkpoint, select, DTYPES[dtype])
+        outer = select
+        select = lambda name: not gguf.owns(name) and (outer is None or outer(name))  # noqa: E731
     model = cast_floating(model.to_empty(device="cpu"), torch.float32)  # float8 weights stay float8
     for module in model.modules():  # buffers computed in __init__ are lost on meta; rebuild them
         if hasattr(module, "cos_sin_cache"):
@@ -104,12 +118,15 @@ def _load(
         model.load_weights(loaded_tensors(weights) if fp8 is None else fp8.stream(weights))
         if fp8 is not None:
             fp8.finish()
+        if gguf is not None:
+            gguf.load(checkpoint)
     except ValueError as e:
         raise ModelLoadError(f"checkpoint does not fit {label}: {e}") from e
+    tables = {m: m.cos_sin_cache for m in model.modules() if hasattr(m, "cos_sin_cache")}
     model = cast_floating(model, DTYPES[dtype]).to(device=device)
-    for module in model.modules():  # keep RoPE tables in float32 whatever the model dtype
-        if hasattr(module, "cos_sin_cache"):
-            module.cos_sin_cache = module.cos_sin_cache.float()
+    moved: dict[int, torch.Tensor] = {}
+    for module, table in tables.items():  # RoPE tables stay float32 and shared by the layers, any dtype
+        module.cos_sin_cache = moved.setdefault(id(table), table.to(device))
     return model.eval()
 
 

@@ -317,8 +317,11 @@ def loaded_tensors(weights: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """model.to(dtype) for every floating parameter and buffer except float8 weights and their
-    float32 `*_scale_inv` (which `Module.to` would convert too: float8 counts as floating)."""
+    float32 `*_scale_inv` (which `Module.to` would convert too: float8 counts as floating), and
+    the buffers of modules that keep their own storage dtypes (GGUF quantized layers)."""
     for module in model.modules():
+        if getattr(module, "keeps_storage_dtypes", False):
+            continue
         for name, param in module.named_parameters(recurse=False):
             if _converts(name, param, dtype):
                 param.data = param.data.to(dtype)

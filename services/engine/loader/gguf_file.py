@@ -1,5 +1,7 @@
-"""GGUF (llama.cpp) checkpoints: dequantize Q4_1/Q8_0/F16/F32 (any type `gguf` knows) and map
-tensor names and metadata onto the Hugging Face Llama layout.
+"""GGUF (llama.cpp) checkpoints: map tensor names and metadata onto the Hugging Face Llama layout.
+`iter_weights` dequantizes (any type `gguf` knows) to float32; `read_quantized` gives the 2-D
+tensors of the types in gguf_blocks.QUANTIZED_TYPES as codes + scales, never dequantized (the
+loader keeps them so: loader/gguf_quant.py).
 
 llama.cpp stores attn_q/attn_k rows permuted for its interleaved RoPE; we undo that so the
 weights match HF's rotate-half RoPE.
@@ -14,6 +16,7 @@ import torch
 
 from moemesh.engine.errors import ModelLoadError
 from moemesh.engine.loader.checkpoint import Checkpoint
+from moemesh.engine.loader.gguf_blocks import QUANTIZED_TYPES, read_blocks
 from moemesh.text.gguf_metadata import open_reader
 from moemesh.text.model_text import gguf_model_text
 
@@ -55,7 +58,29 @@ def open_gguf(path: str) -> Checkpoint:
                 array = array.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(array))
 
-    return Checkpoint(text.hf_config, text.tokenizer, iter_weights, len(reader.tensors), text.model_id)
+    by_name = {_hf_name(t.name): t for t in reader.tensors if _hf_name(t.name) is not None}
+    quantized = {
+        name: t.tensor_type.name
+        for name, t in by_name.items()
+        if t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2
+    }
+
+    def read_quantized(names):
+        for name in names:
+            tensor = by_name[name]
+            rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
+            try:
+                weight = read_blocks(tensor.data, quantized[name], (rows, cols))
+            except Exception as e:
+                raise ModelLoadError(f"cannot read GGUF tensor {tensor.name} ({quantized[name]}): {e}") from e
+            if tensor.name.endswith("attn_q.weight"):
+                weight = weight.rows(torch.from_numpy(_unpermute(np.arange(rows), num_heads)))
+            elif tensor.name.endswith("attn_k.weight"):
+                weight = weight.rows(torch.from_numpy(_unpermute(np.arange(rows), num_kv_heads)))
+            yield name, weight
+
+    return Checkpoint(text.hf_config, text.tokenizer, iter_weights, len(reader.tensors), text.model_id,
+                      quantized, read_quantized)  # fmt: skip
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moemesh.engine.layers.activation import SiluAndMul
@@ -57,8 +58,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [num_reqs, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden_states, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden_states)
+        embed = self.model.embed_tokens  # tied; a quantized embedding multiplies through its table
+        return embed.linear(hidden_states) if hasattr(embed, "linear") else F.linear(hidden_states, embed.weight)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -29,6 +29,7 @@ from torch import nn
 
 from moemesh.engine.block_pool import BlockPool, KVCacheBlock
 from moemesh.engine.config import CacheConfig, ModelConfig, SpecConfig
+from moemesh.engine.dtype import resolve_dtype
 from moemesh.engine.errors import ConfigError, ModelLoadError
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.loader import open_checkpoint
@@ -199,7 +200,7 @@ def load_draft_proposer(spec: SpecConfig, target: ModelConfig, target_vocab_size
         )
     if spec.draft_num_layers is not None:
         checkpoint = first_layers(checkpoint, spec.draft_num_layers)
-    dtype = spec.draft_dtype or target.dtype
+    dtype = resolve_dtype(spec.draft_dtype or target.dtype, target.device)
     model = build_model(checkpoint, dtype, target.device, show_progress=False)
     draft_config = ModelConfig(spec.draft_model, dtype, target.device)
     budget = measure_cache_budget(model, draft_config, CacheConfig(_BLOCK_SIZE, memory_gib=spec.draft_kv_memory_gib))

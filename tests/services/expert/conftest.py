@@ -25,7 +25,7 @@ def hf_generate(model, prompts: list[list[int]], max_new: int) -> list[list[int]
 def local_engine(path: str):
     from moemesh import LLM
 
-    return LLM(path, num_blocks=256, max_model_len=256, show_progress=False)
+    return LLM(path, dtype="float32", num_blocks=256, max_model_len=256, show_progress=False)
 
 
 @pytest.fixture(scope="package")

@@ -18,9 +18,18 @@ from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 from tests.services.cluster_helpers import RPC_TIMEOUT_S, WAIT_TIMEOUT_S, generate
 
 MAX_NEW = 12
-WORKER_ARGS = ("--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", "256",
+WORKER_ARGS = ("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", "256",
                "--placement-poll", "0.05", "--expert-timeout", "10")  # fmt: skip
-EXPERT_ARGS = ("--placement-poll", "0.05", "--expert-load-window", "0.5", "--replica-release-grace", "0.3")
+EXPERT_ARGS = (
+    "--dtype",
+    "float32",
+    "--placement-poll",
+    "0.05",
+    "--expert-load-window",
+    "0.5",
+    "--replica-release-grace",
+    "0.3",
+)
 
 
 def expert_cluster(redis_url: str, mesh: str, log_dir, model: str, num_experts: int,

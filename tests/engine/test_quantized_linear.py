@@ -1,0 +1,125 @@
+"""GGUF blocks kept quantized (loader/gguf_blocks.py, layers/quantized_linear.py) against the
+oracle `gguf.quants.dequantize`: exact storage, matmuls within the rounding of their dtype
+(float64 reference), and no full-precision copy of a weight left in the module."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from moemesh.engine.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from moemesh.engine.loader.gguf_blocks import read_blocks
+
+N, K = 96, 512  # K: two K-quant super-blocks
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# module bytes / GGUF bytes. Q8_0, Q4_1: the file's own layout. Q4_0: its min (-8 d) is stored too.
+# K-quants: d * sc_j needs > 11 bits, so per-group scales (and Q4_K's mins) are float32 (float32
+# form) or bf16 (bf16 form), and Q6_K's 6-bit codes take a byte each.
+MAX_BYTES_RATIO = {"Q8_0": 1.0, "Q4_0": 1.12, "Q4_1": 1.0, "Q4_K": 1.34, "Q6_K": 1.53}
+
+
+def gguf_blocks(qtype: str, seed: int = 0) -> np.ndarray:
+    """GGUF bytes [N, bytes per row]: `gguf.quants.quantize` of a random matrix where gguf can
+    quantize the type; random codes and sub-scales with sane fp16 super-scales otherwise."""
+    rng = np.random.default_rng(seed)
+    kind = GGMLQuantizationType[qtype]
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), kind)
+    block_bytes = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    data = rng.integers(0, 256, (N, K // 256 * block_bytes), dtype=np.uint8)
+    blocks = data.reshape(-1, block_bytes)
+    scales = (rng.uniform(0.5, 2.0, (blocks.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == "Q4_K":
+        blocks[:, 0:4] = scales  # d, dmin
+    else:
+        blocks[:, 208:210] = scales[:, :2]  # d
+    return data
+
+
+def reference(data: np.ndarray, qtype: str) -> torch.Tensor:  # [N, K] float64
+    return torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[qtype]).astype(np.float64))
+
+
+def loaded(qtype: str, dtype: torch.dtype, gather: bool = False) -> tuple[QuantizedLinear, np.ndarray]:
+    data = gguf_blocks(qtype)
+    module = QuantizedLinear(K, N)
+    module.load(read_blocks(data, qtype, (N, K)), dtype, gather=gather)
+    return module, data
+
+
+def stored_bytes(module: torch.nn.Module) -> int:
+    tensors = list(module.buffers()) + list(module.parameters())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_blocks_read_as_codes_and_scales_dequantize_bit_for_bit_like_gguf(qtype):
+    data = gguf_blocks(qtype)
+    ours = read_blocks(data, qtype, (N, K)).dequantize()
+    assert torch.equal(ours, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[qtype])))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_float32_matmul_equals_the_float64_product_with_ggufs_weights_within_float32_rounding(qtype, num_tokens):
+    module, data = loaded(qtype, torch.float32)
+    x = torch.randn(num_tokens, K, generator=torch.Generator().manual_seed(1))
+    w = reference(data, qtype)
+    bound = (x.double().abs() @ w.abs().T) * 1e-5  # a few float32 ulps of the summed magnitudes
+    assert ((module(x).double() - x.double() @ w.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])  # 3: int8 groups and int4pack below a full block of 4 rows
+def test_bfloat16_matmul_is_within_bfloat16_rounding_of_the_float64_product(qtype, num_tokens):
+    module, data = loaded(qtype, torch.bfloat16)
+    x = torch.randn(num_tokens, K, generator=torch.Generator().manual_seed(2))
+    w = reference(data, qtype)
+    y = module(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    bound = (x.double().abs() @ w.abs().T) * 2e-2  # bf16 input, scales and output: ~3 roundings of 2^-9
+    assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_full_precision_weight_is_left_and_bytes_stay_near_the_files(qtype, dtype):
+    module, data = loaded(qtype, dtype)
+    floating = [b for b in module.buffers() if b.is_floating_point()]
+    assert all(b.numel() < N * K // 8 for b in floating), [(b.dtype, tuple(b.shape)) for b in floating]
+    assert {b.dtype for b in module.buffers() if not b.is_floating_point()} <= {torch.uint8, torch.int8}
+    assert stored_bytes(module) <= MAX_BYTES_RATIO[qtype] * data.nbytes, stored_bytes(module) / data.nbytes
+
+
+def test_four_bit_weights_use_the_int4pack_kernel_in_bfloat16_and_dequantize_per_call_in_float32():
+    assert loaded("Q4_1", torch.bfloat16)[0].form == "int4pack"
+    assert loaded("Q4_K", torch.bfloat16)[0].form == "int4pack"
+    assert loaded("Q4_1", torch.float32)[0].form == "nibbles"
+    assert loaded("Q4_1", torch.bfloat16, gather=True)[0].form == "nibbles"  # embeddings gather rows
+    assert loaded("Q6_K", torch.bfloat16)[0].form == "int8"
+
+
+def test_scales_keep_ggufs_float16_when_exact_and_float32_for_k_quant_products():
+    assert loaded("Q4_1", torch.float32)[0].scales.dtype == torch.float16
+    assert loaded("Q4_K", torch.float32)[0].scales.dtype == torch.float32
+
+
+def test_fallback_to_dequantizing_per_call_is_logged_once_per_type(caplog):
+    with caplog.at_level(logging.INFO, logger="moemesh.engine.layers.quantized_linear"):
+        loaded("Q4_0", torch.float16)
+        loaded("Q4_0", torch.float16)
+    lines = [r.getMessage() for r in caplog.records if "Q4_0" in r.getMessage()]
+    assert len(lines) == 1 and "dequantizing per call" in lines[0]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
+def test_quantized_embedding_gathers_exactly_ggufs_rows(qtype):
+    data = gguf_blocks(qtype)
+    embedding = QuantizedEmbedding(N, K, torch.float32)
+    embedding.table.load(read_blocks(data, qtype, (N, K)), torch.float32, gather=True)
+    ids = torch.tensor([5, 0, 95, 5])
+    assert torch.equal(embedding(ids), reference(data, qtype)[ids].float())
