@@ -96,6 +96,7 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
             "source": spec.model.source.resolved(),
             "num_moe_layers": spec.model.num_moe_layers,
             "num_experts": spec.model.num_experts,
+            "dtype": spec.model.dtype,
         },
         "redis_url": redis_url,
         "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT},

@@ -47,6 +47,7 @@ class ModelSpec:
     num_expert_groups: int = 1
     config: dict[str, Any] | None = None  # the checkpoint's config.json, for the memory plan
     gpu_memory_bytes: int | None = None  # one pod's GPU memory, for the memory plan
+    dtype: str = "auto"  # the workers' compute dtype (auto: bf16 on GPU or CPUs with native bf16)
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         num_expert_groups=_int(model, "numExpertGroups", 1, "spec.model", minimum=1),
         config=_section(model, "config", "spec.model") or None,
         gpu_memory_bytes=_gpu_memory(model.get("gpuMemory")),
+        dtype=_model_dtype(model),
     )
     image = _section(spec, "image", "spec")
     repository = image.get("repository")
@@ -295,6 +297,16 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         raise SpecError(f"spec.expert/spec.eplb/spec.model: {exc}") from exc
     _check_expert_memory(mesh)
     return mesh
+
+
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.worker.settings.DTYPE_CHOICES
+
+
+def _model_dtype(model: dict[str, Any]) -> str:
+    value = model.get("dtype", "auto")
+    if value not in MODEL_DTYPES:
+        raise SpecError(f"spec.model.dtype must be one of {list(MODEL_DTYPES)}, got {value!r}")
+    return value
 
 
 def _secret_ref(section: dict[str, Any], key: str, path: str, default_key: str) -> tuple[str, str] | None:

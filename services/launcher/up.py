@@ -11,7 +11,7 @@ import time
 from moemesh.common.settings import SettingsError
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
 from moemesh.launcher.ports import port_in_use
-from moemesh.worker.settings import EXPERT_TRANSPORTS, add_speculation_arguments, speculation_settings
+from moemesh.worker.settings import DTYPE_CHOICES, EXPERT_TRANSPORTS, add_speculation_arguments, speculation_settings
 
 
 def add_up_arguments(parser) -> None:
@@ -26,6 +26,8 @@ def add_up_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
+    parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                        help="workers' and expert workers' compute dtype (default auto: bfloat16 with native bf16)")  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
     parser.add_argument("--otlp-endpoint", default=None, help="every service exports traces over OTLP/gRPC here")
     parser.add_argument(
@@ -64,6 +66,8 @@ def print_endpoints(cluster: LocalCluster) -> None:
 
 def run_up(args) -> int:
     worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
+    dtype_args = ("--dtype", args.dtype) if args.dtype else ()
+    worker_args += dtype_args
     try:
         worker_args += speculation_args(args)
     except SettingsError as e:
@@ -74,7 +78,7 @@ def run_up(args) -> int:
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
         model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
         otlp_endpoint=args.otlp_endpoint,
-        num_experts=args.experts, expert_transport=args.expert_transport,
+        num_experts=args.experts, expert_transport=args.expert_transport, expert_args=dtype_args,
     )  # fmt: skip
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:
         print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)

@@ -14,7 +14,8 @@ from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
 # = moemesh.expert.transport.TRANSPORTS (no torch import here)
 EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
-EXPERT_DIST_BACKENDS = ("gloo", "nccl")  # = moemesh.expert.dist_group.BACKENDS
+EXPERT_DIST_BACKENDS = ("gloo", "nccl")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.expert.dist_group.BACKENDS
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_SCHEDULING = ("fixed", "confidence")
 MICRO_BATCH_OVERLAP = {"auto": None, "on": True, "off": False}  # --micro-batch-overlap -> ModelConfig
@@ -176,7 +177,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
         mesh=mesh_settings(args, config, env),
         engine=EngineSettings(
             model=model_path(args, config),
-            dtype=args.dtype,
+            dtype=pick(args.dtype, (config.get("model") or {}).get("dtype"), "auto"),
             device=args.device,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
@@ -211,9 +212,10 @@ def add_worker_arguments(parser) -> None:
     worker = parser.add_argument_group("prefill / decode workers")
     worker.add_argument(
         "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32",
+        default=None,
+        choices=DTYPE_CHOICES,
+        help="auto (default; the mesh's model.dtype when set): bfloat16 where the CPU has native bf16 (or on GPU), "
+        "else float32",
     )
     worker.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
     worker.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: by memory)")

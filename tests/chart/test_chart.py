@@ -329,6 +329,29 @@ def test_the_drain_period_reaches_the_processes_and_the_pods_grace_period_covers
         assert (pre_stop > 0) == (role == "router")
 
 
+@pytest.mark.parametrize("dtype", [None, "float32", "bfloat16"])
+def test_the_model_dtype_reaches_every_worker_role(chart, crd, tmp_path, dtype):
+    from moemesh.cli import build_parser
+    from moemesh.operator.spec import MODEL_DTYPES, SpecError
+    from moemesh.worker.settings import DTYPE_CHOICES, worker_settings
+
+    assert MODEL_DTYPES == DTYPE_CHOICES
+    [mesh] = by_kind(render(chart, {} if dtype is None else {"mesh": {"model": {"dtype": dtype}}}), "InferenceMesh")
+    validate_cr(crd, mesh)
+    spec = parse_spec({**mesh["spec"], "expert": {"replicas": 1}, "model": {**mesh["spec"]["model"], "numMoeLayers": 1,
+                                                                            "numExperts": 4}}, default_image="unused")  # fmt: skip
+    config = tmp_path / "mesh.json"
+    config.write_text(manifests.config_map(spec, "m", "ns", "uid", "redis://r")["data"]["mesh.json"])
+    for role in ("prefill", "decode", "expert"):
+        argv = [a.replace(manifests.CONFIG_PATH, str(config)) for a in container_of(spec, role)["command"][1:]]
+        settings = worker_settings(
+            build_parser().parse_args(argv), env={"POD_NAME": f"m-{role}-0", "POD_IP": "10.0.0.9"}
+        )
+        assert settings.engine.dtype == (dtype or "auto"), role
+    with pytest.raises(SpecError, match="spec.model.dtype must be one of"):
+        parse_spec({**SAMPLE["spec"], "model": {**SAMPLE["spec"]["model"], "dtype": "int3"}}, default_image="unused")
+
+
 def container_of(spec, role: str) -> dict:
     return manifests.workload(spec, "m", "ns", "uid", role, 1, None)["spec"]["template"]["spec"]["containers"][0]
 

@@ -67,7 +67,9 @@ async def eventually(predicate, timeout_s: float = 300.0, message: str = "condit
 async def cluster(tmp_path, monkeypatch):
     """KMock + the chart's Redis (at its Service name) + the operator configured as the chart's
     operator Deployment says; yields (emulator, hosts, node, docs)."""
-    docs = render_chart(None, RELEASE, NAMESPACE)
+    # the workers compute in float32 (the chart's model.dtype), as the float32 oracles here do:
+    # "auto" would be bf16 on a CPU with native bf16, whose greedy tokens depend on the batch
+    docs = render_chart({"mesh": {"model": {"dtype": "float32"}}}, RELEASE, NAMESPACE)
     secret = one(docs, "Secret")  # the chart's Redis password
     secrets = {secret["metadata"]["name"]: secret["data"]}
     operator_pod = one(docs, "Deployment")["spec"]["template"]["spec"]
@@ -188,7 +190,7 @@ def deepseek_mesh(docs: list[dict], name: str, claim: str, path: str) -> dict:
     mesh["metadata"].update(name=name, uid=f"uid-{name}", generation=1, resourceVersion="1")
     spec = mesh["spec"]
     spec["model"] = {"name": "tiny-deepseek", "source": {"pvc": {"claimName": claim, "path": path}},
-                     "numMoeLayers": 2, "numExperts": 16, "numExpertGroups": 4}  # fmt: skip
+                     "numMoeLayers": 2, "numExperts": 16, "numExpertGroups": 4, "dtype": "float32"}  # fmt: skip
     spec["prefill"] = {**spec["prefill"], "replicas": 1}
     spec["decode"] = {**spec["decode"], "replicas": 2, "minReplicas": 2}
     spec["expert"] = {"replicas": 2}
@@ -203,7 +205,6 @@ async def create_mesh(emulator, mesh: dict) -> None:
 
 async def test_a_deepseek_v3_mesh_with_expert_pods_from_a_pvc_serves_as_the_offline_engine_does(cluster, tmp_path):
     from moemesh import LLM
-    from moemesh.engine.dtype import NATIVE_BF16_FLAGS, read_cpu_flags
     from moemesh.engine.sampling_params import SamplingParams
 
     emulator, hosts, node, docs = cluster
@@ -220,10 +221,7 @@ async def test_a_deepseek_v3_mesh_with_expert_pods_from_a_pvc_serves_as_the_offl
             "router": 1, "prefill": 1, "decode": 2, "expert": 2}  # fmt: skip
         (router,) = kubelet.pods_of("router")
         client = openai.OpenAI(base_url=f"http://{router.ip}:{router.port('http')}/v1", api_key="unused")
-        # the pods resolve dtype "auto" from this machine's real CPU flags (tests/conftest.py makes the
-        # suite's own "auto" float32), so the oracle runs in the dtype they do
-        pods_dtype = "bfloat16" if set(NATIVE_BF16_FLAGS) & read_cpu_flags() else "float32"
-        offline = LLM(str(checkpoint), dtype=pods_dtype, num_blocks=256, max_model_len=256, show_progress=False)
+        offline = LLM(str(checkpoint), dtype="float32", num_blocks=256, max_model_len=256, show_progress=False)
         conversations = [[{"role": "user", "content": " ".join(f"w{(7 * i + j) % VOCAB}" for j in range(3 + 2 * i))}]
                          for i in range(4)]  # fmt: skip
         for messages in conversations:  # the requests spread over both decode pods and the prefill pod

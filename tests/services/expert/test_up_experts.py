@@ -28,6 +28,7 @@ def test_moemesh_up_with_two_expert_workers_serves_fp8_deepseek_v3_like_local_ex
     path, hf = fp8_deepseek
     command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--experts", "2", "--model", path,
                "--expert-transport", "torch-dist", "--port", str(free_port()), "--kv-memory-gib", "0.02",
+               "--dtype", "float32",
                "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
