@@ -39,10 +39,10 @@ def cluster(tmp_path_factory):
 def test_streams_survive_a_decode_worker_the_prefill_worker_and_redis_being_killed(cluster, offline_llm):
     expected = {p: o.text for p, o in zip(PROMPTS, offline_llm.generate(PROMPTS, SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS)))}  # fmt: skip
-    result = run_chaos(cluster, ["decode-0", "prefill-0", "redis"], num_streams=12, duration_s=36.0,
+    result = run_chaos(cluster, ["decode-0", "prefill-0", "redis"], num_streams=8, duration_s=28.0,
                        kill_every_s=9.0, max_tokens=MAX_TOKENS)  # fmt: skip
     assert [victim for _, victim in result.kills] == ["decode-0", "prefill-0", "redis"]
-    assert result.failures == [] and len(result.samples) > 24
+    assert result.failures == [] and len(result.samples) > 16
     assert result.mismatches(expected) == []
     for name in ("decode-0", "prefill-0"):
         assert any(line.startswith(f"{name} restarted") for line in result.restarts), result.restarts
