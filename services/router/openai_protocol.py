@@ -209,6 +209,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    # lenient on purpose: clients send an assistant reply back as it came (with OpenAI's
+    # response-only keys such as refusal, audio, annotations, function_call set to null)
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
