@@ -305,7 +305,7 @@ def get(app, path: str, **kwargs) -> httpx.Response:
 
 def test_health_follows_the_registry_ttl_when_the_last_decode_worker_dies_and_comes_back(redis_server):
     ttl = 2.0
-    mesh = MeshSettings(mesh="health-ttl", redis_url=redis_server.url, heartbeat_ttl_s=60.0)
+    mesh = MeshSettings(mesh="health-ttl", redis_url=redis_server.url, heartbeat_ttl_s=60.0)  # the grace: 60 s
     frontend, pool = build_frontend(RouterSettings(router_id="router-h", mesh=mesh), connect(redis_server.url),
                                     ChannelPool())  # fmt: skip
     app = build_app(frontend, lambda: len(pool.live(("decode", "both"))))
@@ -323,7 +323,7 @@ def test_health_follows_the_registry_ttl_when_the_last_decode_worker_dies_and_co
     assert asyncio.run(health_after_refresh()) == 200
     while asyncio.run(health_after_refresh()) == 200:  # the worker is gone: no more heartbeats
         assert time.monotonic() - last_beat < 60, "/health stayed 200"
-    assert time.monotonic() - last_beat <= ttl + 2.0  # its TTL (the empty-registry grace does not apply)
+    assert time.monotonic() - last_beat <= ttl + 4.0  # its TTL, plus slack for a loaded machine (no 60 s grace)
     registry.heartbeat(client, mesh.mesh, decode, 60.0)  # a decode worker comes back
     assert asyncio.run(health_after_refresh()) == 200
     pool.down_s = 0.0  # a failed call: down until the worker heartbeats again, however short down_s is
