@@ -66,10 +66,11 @@ class ChaosResult:
         return any(t <= sample.started <= t + recovery_s for t, _ in self.kills)
 
 
-def router_counter(url: str, name: str) -> float:
+def metric_total(metrics_url: str, name: str) -> float:
+    """The sum of a metric's samples (all label values) scraped from `metrics_url`."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
@@ -123,7 +124,7 @@ def run_chaos(cluster, schedule: list[str], num_streams: int = 64, duration_s: f
 
     supervisor = threading.Thread(target=supervise, daemon=True)
     supervisor.start()
-    migrations_before = router_counter(cluster.url, "moemesh:router_migrations_total")
+    migrations_before = metric_total(cluster.url + "/metrics", "moemesh:router_migrations_total")
     model = json.loads(urllib.request.urlopen(cluster.url + "/v1/models", timeout=30).read())["data"][0]["id"]
 
     async def main() -> None:
@@ -154,7 +155,7 @@ def run_chaos(cluster, schedule: list[str], num_streams: int = 64, duration_s: f
     finally:
         stop.set()
         supervisor.join()
-    result.migrations = router_counter(cluster.url, "moemesh:router_migrations_total") - migrations_before
+    result.migrations = metric_total(cluster.url + "/metrics", "moemesh:router_migrations_total") - migrations_before
     return result
 
 

@@ -39,7 +39,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         role: str,
         metrics: WorkerMetrics,
         min_remote_prefill_tokens: int,
-        kv_transfer_timeout_s: tuple[float, float],  # (base, per uncached prompt token)
+        kv_transfer_timeout_s: float,
+        kv_transfer_timeout_per_token_s: float,  # the KV wait grows with the uncached prompt
         max_queued_requests: int,
     ):
         self.engine = engine
@@ -49,6 +50,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.metrics = metrics
         self.remote_params = RemotePrefillParams(min_remote_tokens=min_remote_prefill_tokens)
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.kv_transfer_timeout_per_token_s = kv_transfer_timeout_per_token_s
         self.max_queued_requests = max_queued_requests
         self._tracer = telemetry.tracer("moemesh.decode")
 
@@ -125,9 +127,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             sampling=request.sampling,
             num_computed_tokens=event.num_computed_tokens,
             layout=self.engine.engine.kv_layout,
-            timeout_s=self.kv_transfer_timeout_s[0]
-            + self.kv_transfer_timeout_s[1]
-            * (len(request.prompt_token_ids) - event.num_computed_tokens),  # grows with the work to do
+            timeout_s=self.kv_transfer_timeout_s
+            + self.kv_transfer_timeout_per_token_s * (len(request.prompt_token_ids) - event.num_computed_tokens),
         )
         with self._tracer.start_as_current_span("kv_transfer", context=ctx) as span:  # no yield inside
             span.set_attribute("moemesh.prefill_endpoint", task.endpoint)

@@ -137,7 +137,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"{len(resume)} resumed tokens leave nothing to generate (max_tokens {sampling_params.max_tokens}, "
                 f"context {self.max_model_len}) or come with a remote prefill", param="resume_token_ids")  # fmt: skip
-        if any(not 0 <= t < self.model.cfg.vocab_size for t in resume):
+        if any(not 0 <= t < vocab for t in resume):
             raise InvalidRequestError("resumed token ids must be in the vocabulary", param="resume_token_ids")
         request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id=self.eos_token_id)
         request.output_token_ids = resume

@@ -81,6 +81,11 @@ class Service:
     stopped: bool = False  # stopped on purpose: not restarted
 
     @property
+    def metrics_port(self) -> int | None:
+        """The Prometheus port it was started with (`--metrics-port`), or None."""
+        return int(self.args[self.args.index("--metrics-port") + 1]) if "--metrics-port" in self.args else None
+
+    @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 

@@ -57,7 +57,7 @@ def speculation_args(args) -> tuple[str, ...]:
 
 def print_endpoints(cluster: LocalCluster) -> None:
     for service in cluster.services.values():
-        metrics = service.args[service.args.index("--metrics-port") + 1] if "--metrics-port" in service.args else None
+        metrics = service.metrics_port
         where = service.http_url or service.grpc_endpoint
         host = where.split("//")[-1].rsplit(":", 1)[0]
         print(f"  {service.name:<12} {service.role:<8} {where}" + (f"  metrics http://{host}:{metrics}/metrics"

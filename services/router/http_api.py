@@ -48,8 +48,7 @@ RETRY_AFTER_S = 1  # what 429 and 503 answers tell clients to wait
 def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = GuardSettings()) -> FastAPI:
     """`num_decode_workers()` -> how many decode workers the router can route to (for /health)."""
     app = FastAPI(title="moemesh router", version=__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(HttpGuard, api_keys=guard.api_keys, open_paths=guard.open_paths,
-                       max_body_bytes=guard.max_body_bytes)  # fmt: skip
+    app.add_middleware(HttpGuard, settings=guard)
     logprob_fmt = LogprobFormatter(frontend.tokenizer)
 
     @app.exception_handler(RouterError)

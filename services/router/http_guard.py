@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from moemesh.common.settings import check
@@ -36,12 +35,11 @@ class GuardSettings:
 
 
 class HttpGuard:
-    def __init__(self, app, api_keys: Iterable[str] = (), open_paths: Iterable[str] = OPEN_PATHS,
-                 max_body_bytes: int = 8 << 20):  # fmt: skip
+    def __init__(self, app, settings: GuardSettings):
         self.app = app
-        self.api_keys = ApiKeys(api_keys)
-        self.open_paths = frozenset(open_paths)
-        self.max_body_bytes = max_body_bytes
+        self.api_keys = ApiKeys(settings.api_keys)
+        self.open_paths = frozenset(settings.open_paths)
+        self.max_body_bytes = settings.max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

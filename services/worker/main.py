@@ -130,7 +130,8 @@ class Worker:
         if s.role in ("decode", "both"):
             decode = DecodeServicer(
                 self.engine, GrpcKVTransport(self.channels), s.worker_id, s.role, self.metrics,
-                s.min_remote_prefill_tokens, (s.kv_transfer_timeout_s, s.kv_transfer_timeout_per_token_s), s.max_queued_requests,
+                s.min_remote_prefill_tokens, s.kv_transfer_timeout_s, s.kv_transfer_timeout_per_token_s,
+                s.max_queued_requests,
             )  # fmt: skip
             decode_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         if s.role in ("prefill", "both"):

@@ -54,7 +54,7 @@ def load_any(service: Service) -> telemetry_pb2.LoadReport:
 
 
 def metrics_port(service: Service) -> int:
-    return int(service.args[service.args.index("--metrics-port") + 1])
+    return service.metrics_port
 
 
 WAIT_TIMEOUT_S = 120.0  # an upper bound for a loaded 2-core machine; waits end as soon as the condition holds

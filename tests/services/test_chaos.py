@@ -7,19 +7,16 @@ disaggregated path."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.chaos import PROMPTS, run_chaos
+from benchmarks.chaos import PROMPTS, metric_total, run_chaos
 from moemesh.common import registry
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
-from tests.services.cluster_helpers import ROUTER_ARGS, WORKER_ARGS, load_any, metrics_port, wait_until
+from tests.services.cluster_helpers import ROUTER_ARGS, WORKER_ARGS, load_any, wait_until
 
 MESH = "chaos"
 MAX_TOKENS = 16
@@ -72,16 +69,11 @@ def test_streams_survive_a_decode_worker_the_prefill_worker_and_redis_being_kill
 def test_a_5k_token_prompt_completes_through_the_disaggregated_path(cluster):
     """The remote-prefill wait grows with the prompt: no local fallback, no first-token timeout."""
     prefill = cluster.services["prefill-0"]
-    before = prefills(prefill)
+    prefills = f"http://127.0.0.1:{prefill.metrics_port}/metrics"
+    before = metric_total(prefills, "moemesh:prefills_total")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=900)
     prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(520)) + "\nThe last item is"
     response = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=4,
                                          temperature=0)  # fmt: skip
     assert response.usage.prompt_tokens > 4500 and response.choices[0].finish_reason == "length"
-    assert prefills(prefill) == before + 1  # prefilled by the prefill worker, once
-
-
-def prefills(service) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(service)}/metrics").read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "moemesh:prefills_total")  # fmt: skip
+    assert metric_total(prefills, "moemesh:prefills_total") == before + 1  # prefilled by the prefill worker, once

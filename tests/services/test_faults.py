@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 
 import grpc
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.chaos import metric_total
 from moemesh.common import registry
 from moemesh.common.prefix_index import PrefixIndex, meta_key
 from moemesh.common.redis_client import connect
@@ -122,7 +121,7 @@ def test_a_decode_worker_killed_mid_stream_is_migrated_and_the_stream_equals_an_
 ):
     params = {"model": model, "prompt": PROMPT, "max_tokens": 96, "temperature": 0, "extra_body": {"ignore_eos": True}}
     expected = client.completions.create(**params).choices[0].text
-    migrations_before = router_counter(cluster, "moemesh:router_migrations_total")
+    migrations_before = metric_total(cluster.url + "/metrics", "moemesh:router_migrations_total")
     stream = iter(client.completions.create(**params, stream=True))
     text = "".join(next(stream).choices[0].text for _ in range(8))
     serving = wait_until(lambda: [w for w in decode_workers(cluster) if load(w).num_running == 1],
@@ -134,7 +133,7 @@ def test_a_decode_worker_killed_mid_stream_is_migrated_and_the_stream_equals_an_
     text += "".join(c.choices[0].text for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert text == expected  # no token repeated or missing
-    assert router_counter(cluster, "moemesh:router_migrations_total") == migrations_before + 1
+    assert metric_total(cluster.url + "/metrics", "moemesh:router_migrations_total") == migrations_before + 1
 
 
 def test_a_seeded_grpc_stream_migrates_with_its_sampler_fast_forwarded(cluster, tokenizer, killed):
@@ -160,11 +159,6 @@ def test_a_seeded_grpc_stream_migrates_with_its_sampler_fast_forwarded(cluster, 
     token_ids += [t for message in rest for t in message.token_ids]
     assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert token_ids == expected and len(expected) == 96
-
-
-def router_counter(cluster, name: str) -> float:
-    text = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def keys_mentioning(client, worker_id: str) -> list[str]:
