@@ -224,8 +224,18 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_and_new_requests_go_e
         signalled = time.monotonic()
         wait_until(lambda: victim.name not in [w.worker_id for w in registry.list_workers(redis_client, MESH)],
                    message=f"{victim.name} deregistered")  # fmt: skip
-        _, worker_id, _ = generate(cluster.services["router"], prompt, max_tokens=2)
-        assert worker_id == "decode-late"  # (a call that reached the draining worker was refused and retried)
+        served = []
+
+        def served_elsewhere() -> bool:  # until the router's view holds decode-late (refreshed every 0.5 s)
+            try:
+                served.append(generate(cluster.services["router"], prompt, max_tokens=2)[1])
+            except grpc.RpcError as e:  # no routable worker yet: the draining one refuses new calls
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                return False
+            return True
+
+        wait_until(served_elsewhere, message="a new request served")
+        assert served == ["decode-late"]  # never the draining worker
         for first, call in zip(firsts, calls):
             rest = list(call)
             assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 48
