@@ -53,12 +53,13 @@ class WorkerState:
     failed_beat: float | None = None  # heartbeat_at when a call to it last failed
 
     def is_down(self, now: float, registry_ok: bool) -> bool:
-        """Down for `down_s` after a failure; and while the registry answers, a registered worker
-        that failed stays down until it heartbeats again: a dead process never does, so it leaves
-        the view (and readiness) when its record expires instead of coming back every `down_s`."""
+        """Down for `down_s` after a failure; and while the registry answers, a worker it has
+        listed (static or not) that failed stays down until it heartbeats again: a dead process
+        never does, so it leaves the view (and readiness) instead of coming back every `down_s`.
+        A static worker the registry never listed (no heartbeat) has only the `down_s` rule."""
         if self.down_until > now:
             return True
-        return (registry_ok and not self.static and self.failed_beat is not None
+        return (registry_ok and self.heartbeat_at > 0 and self.failed_beat is not None
                 and self.heartbeat_at == self.failed_beat)  # fmt: skip
 
 

@@ -87,3 +87,22 @@ def test_pool_routes_to_the_cached_worker_and_picks_a_prefill_worker():
     assert (route.prefill.pending_prefill_blocks, route.prefill.in_flight, route.decode.in_flight) == (0, 0, 1)
     pool.end(route, charge)
     assert (route.decode.active_blocks, route.decode.in_flight, route.prefill.in_flight) == (0, 0, 0)
+
+
+def test_a_failed_static_worker_the_registry_lists_stays_down_until_it_heartbeats_again():
+    now = [100.0]
+    pool = WorkerPool(client=redis.Redis(port=1), mesh="m", policy=KVAware(), prefill_policy=KVAware(),
+                      block_size=16, disaggregated=False, static_decode=["127.0.0.1:7001", "127.0.0.1:7002"],
+                      down_s=5.0, clock=lambda: now[0])  # fmt: skip
+    pool._apply_records([registry.WorkerRecord("decode-0", "decode", "127.0.0.1:7001", "m", updated_at=50.0)])
+    listed = pool.workers["decode-0"]
+    unlisted = pool.workers["static-127.0.0.1-7002"]
+    assert listed.static and unlisted.static
+    pool.mark_down(listed)
+    pool.mark_down(unlisted)
+    now[0] += 6.0  # past down_s: a worker never listed by the registry is tried again
+    assert [w.worker_id for w in pool.live(("decode",))] == ["static-127.0.0.1-7002"]
+    pool._apply_records([])  # its record expired: still down (and still known, being static)
+    assert "decode-0" in pool.workers and [w.worker_id for w in pool.live(("decode",))] == ["static-127.0.0.1-7002"]
+    pool._apply_records([registry.WorkerRecord("decode-0", "decode", "127.0.0.1:7001", "m", updated_at=60.0)])
+    assert sorted(w.worker_id for w in pool.live(("decode",))) == ["decode-0", "static-127.0.0.1-7002"]
