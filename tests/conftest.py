@@ -8,6 +8,8 @@ patch the flags themselves. Service tests start their workers with --dtype float
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import pytest
@@ -29,11 +31,31 @@ def smollm_path() -> str:
     return default_model_path()
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers' GGUF loading parses the file's metadata once per call (twice per model) and
+    rebuilds gguf's tensor-name map for every module it visits (~400 times): about 20 s of the
+    oracle's load on a CPU. Both are pure functions of their arguments, so memoise them while
+    the oracle loads; the weights and the tokenizer come out exactly as without."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", _memoised(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", _memoised(gguf.get_tensor_name_map))
+        yield
+
+
+@functools.cache
+def _memoised(function):  # one memo per function for the session: the tokenizer reuses the model's parse
+    return functools.cache(function)
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer(smollm_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path))
+    with _gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path))
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +63,10 @@ def hf_model(smollm_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    )
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
+        )
     return model.eval()
 
 
