@@ -85,15 +85,16 @@ def _serve(args) -> int:
         if not settings.engine.device.startswith("cuda"):  # the torch references only: skip Triton's import
             os.environ.setdefault("MOEMESH_TRITON", "0")
         if settings.role == "expert":
-            from moemesh.expert.worker import main as expert_main
-
-            return expert_main(settings)
-        from moemesh.worker.main import main as worker_main
-
-        return worker_main(settings)
+            from moemesh.expert.worker import main as serve
+        else:
+            from moemesh.worker.main import main as serve
+        code = serve(settings)
     except (SettingsError, MoemeshError) as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
+    from moemesh.common.lifecycle import exit_process
+
+    exit_process(code)  # stopped cleanly: skip the interpreter's teardown of torch and gRPC
 
 
 def _fetch_model(args) -> int:
