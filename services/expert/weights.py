@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moemesh.engine.errors import ModelLoadError
+from moemesh.engine.loader.build import on_meta_without_init
 from moemesh.engine.loader.checkpoint import Checkpoint
 from moemesh.engine.loader.fp8_checkpoint import read_fp8_block, weight_name
 from moemesh.engine.models import get_model_class
@@ -46,7 +47,7 @@ class MoEShape:
 def read_moe_shape(checkpoint: Checkpoint) -> MoEShape:
     """Raises ModelLoadError when the checkpoint is not a MoE model."""
     cfg = TransformerConfig.from_hf(checkpoint.hf_config)
-    with torch.device("meta"):
+    with on_meta_without_init():
         model = get_model_class(cfg.architecture)(cfg)
     layer_ids = tuple(getattr(model, "moe_layer_ids", ()))
     if not layer_ids:

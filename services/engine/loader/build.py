@@ -4,7 +4,8 @@ which the main model skips) as a speculative drafter."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ def build_model(
     a GGUF file's quantized projections and embedding stay quantized (loader/gguf_quant.py)."""
     cfg = TransformerConfig.from_hf(checkpoint.hf_config)
     model_class = get_model_class(cfg.architecture)
-    with torch.device("meta"):
+    with on_meta_without_init():
         model = model_class(cfg)
     select = None
     if not load_routed_experts:
@@ -70,7 +71,7 @@ def build_mtp_model(checkpoint: Checkpoint, dtype: str, device: str) -> nn.Modul
         raise ConfigError(f"speculative method 'mtp': {checkpoint.model_id!r} has no multi-token-prediction "
                           f"layer (config.json num_nextn_predict_layers is "
                           f"{checkpoint.hf_config.get('num_nextn_predict_layers', 'absent')})")  # fmt: skip
-    with torch.device("meta"):
+    with on_meta_without_init():
         model = DeepseekMTP(cfg)
     prefix = mtp_weight_prefix(checkpoint.hf_config)
     if not any(True for _ in checkpoint.iter_weights(lambda name: name.startswith(prefix))):
@@ -78,6 +79,24 @@ def build_mtp_model(checkpoint: Checkpoint, dtype: str, device: str) -> nn.Modul
                           f"{num_mtp_layers(checkpoint.hf_config)} but has no {prefix}* weights (the MTP layer "
                           f"was left out of this checkpoint)")  # fmt: skip
     return _load(model, cfg, checkpoint, model.select_weight, dtype, device, False, f"{cfg.architecture} MTP layer")
+
+
+@contextlib.contextmanager
+def on_meta_without_init() -> Iterator[None]:
+    """Build modules on the meta device without their parameter initialisers (as transformers'
+    `no_init_weights`): the weights come from the checkpoint, and an initialiser on a meta tensor
+    still goes through torch._refs, whose first use imports torch._dynamo (~1 s per process)."""
+    skipped = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+               "xavier_normal_", "constant_", "zeros_", "ones_", "orthogonal_")  # fmt: skip
+    saved = {name: getattr(nn.init, name) for name in skipped}
+    try:
+        for name in skipped:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 def _load(
