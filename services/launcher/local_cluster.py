@@ -109,11 +109,11 @@ class LocalCluster:
             workers = self._worker_services()
             for service in workers:
                 self._launch(service)
+            router = self._router_service(workers)
+            self._launch(router)  # it starts while the workers load; ready once they serve
             for service in workers:
                 self._wait_grpc(service)
-            router = self._router_service(workers)
-            self._launch(router)
-            self._wait_http(router)
+            self.wait_http(router)
             self.url = router.http_url
             return self
         except BaseException:
@@ -203,12 +203,14 @@ class LocalCluster:
 
         return self._poll_grpc(service, shape, "answer")
 
-    def add_router(self, name: str, policy: str, extra_args: tuple[str, ...] = ()) -> Service:
-        """Start one more router over the same workers (tests: compare policies) and wait for it."""
+    def add_router(self, name: str, policy: str, extra_args: tuple[str, ...] = (), wait: bool = True) -> Service:
+        """Start one more router over the same workers (tests: compare policies) and, unless told
+        not to (start several at once, then `wait_http` each), wait until it serves."""
         workers = [s for s in self.services.values() if s.role != "router"]
         service = self._router_service(workers, name, policy, extra_args, http_port=0, grpc_port=0)
         self._launch(service)
-        self._wait_http(service)
+        if wait:
+            self.wait_http(service)
         return service
 
     def _router_service(self, workers: list[Service], name: str = "router", policy: str | None = None,
@@ -314,7 +316,7 @@ class LocalCluster:
                 time.sleep(0.2)
         raise TimeoutError(f"{service.name} did not {verb} within {self.spec.start_timeout_s} s")
 
-    def _wait_http(self, service: Service) -> None:
+    def wait_http(self, service: Service) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
         while time.monotonic() < deadline:
             self._check_alive(service)

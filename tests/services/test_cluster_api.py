@@ -60,8 +60,10 @@ def collector():
 def cluster(redis_server, tmp_path_factory, collector):
     logs = tmp_path_factory.mktemp("cluster-api")
     with test_cluster(redis_server.url, MESH, logs, otlp_endpoint=collector.endpoint) as cluster:
-        cluster.add_router("router-rr", "round_robin", ROUTER_ARGS)
-        cluster.add_router("router-agg", "round_robin", (*ROUTER_ARGS, "--aggregated"))
+        routers = [cluster.add_router("router-rr", "round_robin", ROUTER_ARGS, wait=False),
+                   cluster.add_router("router-agg", "round_robin", (*ROUTER_ARGS, "--aggregated"), wait=False)]  # fmt: skip
+        for router in routers:
+            cluster.wait_http(router)
         yield cluster
 
 
