@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import torch
 
 from moemesh.text.gguf_metadata import _parsed_reader, open_reader
 
@@ -24,3 +25,24 @@ def test_fields_and_tensors_equal_gguf_readers(smollm_path):
             tensor.name, tensor.tensor_type, tensor.data_offset, tensor.data.shape, tensor.data.dtype)  # fmt: skip
         assert not mine.data.flags.writeable and np.array_equal(mine.data, tensor.data), mine.name
     assert len(ours.fields["tokenizer.ggml.tokens"].data) == 49152
+
+
+def test_the_loaders_float32_weights_are_ggufs_dequantization(smollm_path):
+    from gguf import quants
+
+    from moemesh.engine.loader.gguf_file import _hf_name, _unpermute, open_gguf
+
+    checkpoint = open_gguf(smollm_path)
+    heads = (checkpoint.hf_config["num_attention_heads"], checkpoint.hf_config["num_key_value_heads"])
+    expected = {}
+    for tensor in gguf.GGUFReader(smollm_path, "r").tensors:
+        array = quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            array = _unpermute(array, heads[tensor.name.endswith("attn_k.weight")])
+        expected[_hf_name(tensor.name)] = array
+    seen = 0
+    for name, weight in checkpoint.iter_weights(lambda name: name.endswith(("q_proj.weight", "down_proj.weight",
+                                                                             "embed_tokens.weight", "norm.weight"))):  # fmt: skip
+        assert weight.dtype == torch.float32 and np.array_equal(weight.numpy(), expected[name]), name
+        seen += 1
+    assert seen == 30 + 30 + 1 + 61

@@ -1,5 +1,6 @@
 """GGUF (llama.cpp) checkpoints: map tensor names and metadata onto the Hugging Face Llama layout.
-`iter_weights` dequantizes (any type `gguf` knows) to float32; `read_quantized` gives the 2-D
+`iter_weights` dequantizes (any type `gguf` knows) to float32, with gguf's own bits (the types
+of gguf_blocks through it: faster); `read_quantized` gives the 2-D
 tensors of the types in gguf_blocks.QUANTIZED_TYPES as codes + scales, never dequantized (the
 loader keeps them so: loader/gguf_quant.py).
 
@@ -96,6 +97,9 @@ def _dequantize(tensor) -> np.ndarray:
     from gguf import quants
 
     try:
+        if tensor.tensor_type.name in QUANTIZED_TYPES and len(tensor.shape) == 2:  # ~2.5x faster, same bits
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+            return read_blocks(tensor.data, tensor.tensor_type.name, shape).dequantize().numpy()
         array = quants.dequantize(tensor.data, tensor.tensor_type)
     except Exception as e:
         raise ModelLoadError(f"cannot dequantize GGUF tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from e
