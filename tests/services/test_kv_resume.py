@@ -69,9 +69,9 @@ def prefill_remotely(engine, prompt: list[int], start: int) -> tuple[list[KVPiec
         engine.scheduler.config = config
 
 
-def park(engine, prompt: list[int]) -> int:
+def park(engine, prompt: list[int], params: SamplingParams = GREEDY) -> int:
     """Add the request "d" as a decode worker would; the computed tokens it was parked with."""
-    engine.add_request(prompt, GREEDY, "d", remote_prefill=RemotePrefillParams(1))
+    engine.add_request(prompt, params, "d", remote_prefill=RemotePrefillParams(1))
     engine.step()
     (parked,) = engine.take_remote_prefills()
     return parked.num_computed_tokens
@@ -119,6 +119,18 @@ def test_all_the_kv_without_the_first_token_keeps_all_but_the_piece_with_the_las
         kv.add(piece)
     assert engine.fallback_to_local_prefill("d", kv) == pieces[-1].start  # the last token is computed here
     assert run_to_completion(engine, []) == expected
+
+
+def test_a_seeded_request_resumes_with_the_seeded_output_of_a_local_run(engine, offline_llm, prompt):
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=8)
+    (expected,) = offline_llm.generate([prompt], seeded)
+    assert engine.kv_cache_manager.pool.reset_prefix_cache()
+    start = park(engine, prompt, seeded)
+    pieces, _ = prefill_remotely(engine, prompt, start)
+    kv = RemoteKV(start, len(prompt), engine.kv_layout.bytes_per_token)
+    kv.add(pieces[0])
+    assert engine.fallback_to_local_prefill("d", kv) == BUDGET
+    assert run_to_completion(engine, []) == expected.token_ids
 
 
 class FailingTransport(KVTransport):
