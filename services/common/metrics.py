@@ -147,6 +147,9 @@ class WorkerMetrics:
         self.kv_bytes = Counter("moemesh:kv_transfer_bytes", "KV bytes received from / sent to peers.",
                                 [*names, "direction"], registry=self.registry)  # fmt: skip
         self.kv_seconds = histogram("moemesh:kv_transfer_seconds", "Duration of one KV transfer.", LATENCY_BUCKETS)
+        self.kv_resumed_tokens = counter("moemesh:kv_transfer_resumed_tokens",
+                                         "Prompt tokens whose KV a failed remote prefill had delivered, kept by the "
+                                         "local prefill that resumed after them (decode role).")  # fmt: skip
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
 
@@ -174,8 +177,11 @@ class WorkerMetrics:
         self.generation_tokens.inc(t.num_generation_tokens)
         self.success.labels(**self._labels, finished_reason=t.finished_reason).inc()
 
-    def transferred(self, direction: str, num_bytes: int, seconds: float) -> None:
+    def count_kv_bytes(self, direction: str, num_bytes: int) -> None:
+        """KV bytes as each piece of a transfer is sent ('sent') or received ('received')."""
         self.kv_bytes.labels(**self._labels, direction=direction).inc(num_bytes)
+
+    def observe_kv_transfer(self, seconds: float) -> None:
         self.kv_seconds.observe(seconds)
 
 

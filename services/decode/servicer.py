@@ -4,23 +4,28 @@ hand-off (decode-first flow).
 Generate(request, prefill_endpoint): the engine admits the request reusing this worker's cached
 prefix. If it parks the request for remote KV (`RemotePrefillNeeded`: a prefill endpoint was
 given and at least `min_remote_prefill_tokens` prompt tokens are uncached), the servicer fetches
-the KV and first token through the KV transport and hands them to the engine; if the transfer
-fails the engine prefills locally. Tokens stream back one message per engine step. A cancelled
-call aborts the request here, and (by cancelling the transfer) on the prefill worker.
+the KV and first token through the KV transport and hands them to the engine. If the transfer
+fails (nothing arrives for `kv_transfer_timeout_s`, not done after that plus
+`kv_transfer_timeout_per_token_s` per uncached token, the prefill worker gone), the engine keeps
+the KV received so far and prefills only the rest locally. Tokens stream back one message per
+engine step. A cancelled call aborts the request here, and (by cancelling the transfer) on the
+prefill worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from moemesh.common import telemetry
 from moemesh.common.metrics import RequestTimes, WorkerMetrics
 from moemesh.engine.async_engine import AsyncEngine, RemotePrefillNeeded
-from moemesh.engine.kv_transfer import KVTransferError, KVTransport, RemotePrefillTask
+from moemesh.engine.kv_transfer import KVPiece, KVTransferError, KVTransport, RemoteKV, RemotePrefillTask
 from moemesh.engine.outputs import RequestOutput
 from moemesh.engine.request import RemotePrefillParams
 from moemesh.proto.convert import FINISH_REASONS, load_report, logprob_to_proto
@@ -28,6 +33,12 @@ from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, telemetry_pb2
 from moemesh.worker.grpc_status import admit, engine_errors_as_status
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemotePrefillResult:
+    num_tokens: int  # prompt tokens whose KV came from the prefill worker
+    complete: bool  # the KV and the first token arrived; False: the rest was prefilled here
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
@@ -39,8 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         role: str,
         metrics: WorkerMetrics,
         min_remote_prefill_tokens: int,
-        kv_transfer_timeout_s: float,
-        kv_transfer_timeout_per_token_s: float,  # the KV wait grows with the uncached prompt
+        kv_transfer_timeout_s: float,  # the longest wait for the next piece of KV, and the base of ...
+        kv_transfer_timeout_per_token_s: float,  # ... the whole transfer's deadline, which grows per uncached token
         max_queued_requests: int,
     ):
         self.engine = engine
@@ -68,7 +79,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         remote = self.remote_params if request.prefill_endpoint and not resume else None
         events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
                                       remote_prefill=remote, resume_token_ids=resume)  # fmt: skip
-        num_remote_tokens = 0
+        num_remote_tokens, remote_first_token = 0, False
         last = first_token = scheduled = None
         num_generated, recorded = 0, False
 
@@ -88,10 +99,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     if isinstance(event, RemotePrefillNeeded):
                         phase.update_name("queue")
                         phase.end()
-                        num_remote_tokens = await self._remote_prefill(request, event, ctx)
-                        phase = self._tracer.start_span(
-                            "decode" if num_remote_tokens else "prefill.fallback", context=ctx
-                        )
+                        remote = await self._remote_prefill(request, event, ctx)
+                        num_remote_tokens, remote_first_token = remote.num_tokens, remote.complete
+                        phase = self._tracer.start_span("decode" if remote.complete else "prefill.fallback",
+                                                        context=ctx)  # fmt: skip
                         continue
                     now = time.monotonic()
                     scheduled = event.scheduled_time or scheduled
@@ -99,7 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     if last is None:
                         first_token = now
                         self.metrics.observe_ttft(now - arrival)
-                        if not num_remote_tokens:
+                        if not remote_first_token:
                             phase.end()
                             phase = self._tracer.start_span("decode", context=ctx)
                     else:
@@ -117,34 +128,46 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             span.end()
             await events.aclose()
 
-    async def _remote_prefill(self, request, event: RemotePrefillNeeded, ctx) -> int:
-        """Fetch the KV of tokens [num_computed, len(prompt)); returns how many came remotely
-        (0 after a failure, when the engine prefills locally instead)."""
+    async def _remote_prefill(self, request, event: RemotePrefillNeeded, ctx) -> RemotePrefillResult:
+        """Fetch the KV of tokens [num_computed, len(prompt)) and hand it to the engine; after a
+        failure the engine keeps the pieces received and prefills the rest locally."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        layout = self.engine.engine.kv_layout
         task = RemotePrefillTask(
             endpoint=request.prefill_endpoint,
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling,
             num_computed_tokens=event.num_computed_tokens,
-            layout=self.engine.engine.kv_layout,
+            layout=layout,
             timeout_s=self.kv_transfer_timeout_s
-            + self.kv_transfer_timeout_per_token_s * (len(request.prompt_token_ids) - event.num_computed_tokens),
+            + self.kv_transfer_timeout_per_token_s * (num_prompt_tokens - event.num_computed_tokens),
+            idle_timeout_s=self.kv_transfer_timeout_s,
         )
+        kv = RemoteKV(event.num_computed_tokens, num_prompt_tokens, layout.bytes_per_token)
         with self._tracer.start_as_current_span("kv_transfer", context=ctx) as span:  # no yield inside
             span.set_attribute("moemesh.prefill_endpoint", task.endpoint)
             task = _with_metadata(task, telemetry.inject_metadata(telemetry.child_context(span)))
             started = time.monotonic()
             try:
-                kv = await self.transport.fetch(task)
+                async with contextlib.aclosing(self.transport.fetch(task)) as received:
+                    async for item in received:
+                        kv.add(item)
+                        if isinstance(item, KVPiece):
+                            self.metrics.count_kv_bytes("received", item.data.numel())
             except KVTransferError as e:
-                logger.warning("request %s: remote prefill failed (%s); prefilling locally", request.request_id, e)
+                num_kept = await self.engine.fallback_to_local_prefill(request.request_id, kv)
+                logger.warning("request %s: remote prefill failed after %d of %d tokens (%s); kept the KV of %d, "
+                               "prefilling the other %d locally", request.request_id, kv.num_received_tokens,
+                               kv.end - kv.start, e, num_kept, num_prompt_tokens - kv.start - num_kept)  # fmt: skip
                 span.set_attribute("moemesh.fallback", True)
-                await self.engine.fallback_to_local_prefill(request.request_id)
-                return 0
-            span.set_attribute("moemesh.num_bytes", kv.data.numel())
-            self.metrics.transferred("received", kv.data.numel(), time.monotonic() - started)
+                span.set_attribute("moemesh.num_resumed_tokens", num_kept)
+                self.metrics.kv_resumed_tokens.inc(num_kept)
+                return RemotePrefillResult(num_kept, complete=False)
+            span.set_attribute("moemesh.num_bytes", sum(p.data.numel() for p in kv.pieces))
+            self.metrics.observe_kv_transfer(time.monotonic() - started)
             await self.engine.finish_remote_prefill(request.request_id, kv)
-            return kv.num_tokens
+            return RemotePrefillResult(kv.end - kv.start, complete=True)
 
     def _response(self, output: RequestOutput, num_remote: int) -> decode_pb2.WorkerGenerateResponse:
         response = decode_pb2.WorkerGenerateResponse(

@@ -5,7 +5,8 @@ commands, `step()` while there is work, then hand every event to the asyncio loo
 `call_soon_threadsafe`. Callers (in the loop):
 - `generate(...)` adds a request and yields its events: `RemotePrefillNeeded` (decode: fetch
   the KV, then `finish_remote_prefill` or `fallback_to_local_prefill`), `RequestOutput`
-  deltas, and on a prefill worker an `ExportedKV` after the final output. Leaving the iteration
+  deltas, and on a prefill worker an `ExportedKV` after each round that completed some of its KV,
+  the last one (with the first token) after the final output. Leaving the iteration
   early (cancellation, client gone, `aclose()`) aborts the request and frees its blocks.
 - `call(fn)` runs `fn(engine)` between steps and returns its result (or raises its error).
 - `stats` is the latest `LLMEngine.stats()`, refreshed after every step, read without locking.
@@ -141,7 +142,7 @@ class AsyncEngine:
                     done = True
                     raise event.error
                 if isinstance(event, ExportedKV):
-                    done = True
+                    done = event.first_token is not None
                 elif isinstance(event, RequestOutput) and event.finished:
                     done = kv_export_start is None or event.finish_reason == "abort"
                 yield event
@@ -159,8 +160,9 @@ class AsyncEngine:
         """Decode: write the fetched KV; the first token arrives through `generate`'s events."""
         await self.call(lambda e: self._dispatch_now(e.finish_remote_prefill(request_id, kv)))
 
-    async def fallback_to_local_prefill(self, request_id: str) -> None:
-        await self.call(lambda e: e.fallback_to_local_prefill(request_id))
+    async def fallback_to_local_prefill(self, request_id: str, kv: RemoteKV | None = None) -> int:
+        """Decode: prefill locally after the KV `kv` holds; returns the number of tokens kept."""
+        return await self.call(lambda e: e.fallback_to_local_prefill(request_id, kv))
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -197,12 +199,8 @@ class AsyncEngine:
                 logger.error("step failed, %d requests failed: %s", len(failed), error)
                 events.extend(RequestFailed(request_id, error) for request_id in sorted(failed))
                 outputs = []
-            for output in outputs:
-                events.append(output)
-                if output.finished and output.finish_reason != "abort":
-                    exported = engine.export_kv(output.request_id)
-                    if exported is not None:
-                        events.append(exported)
+            events.extend(outputs)
+            events.extend(engine.take_kv_exports())
         for request in engine.take_remote_prefills():
             events.append(RemotePrefillNeeded(request.request_id, request.num_computed_tokens))
         kv_events = engine.kv_cache_manager.drain_events()

@@ -7,18 +7,27 @@ tensors are concatenated into one byte buffer. Both sides must have the same `KV
 model, dtype and per-token shapes); block size and block ids may differ, since the copy goes
 through each side's own slot mapping (slot = block_table[t // P] * P + t % P).
 
+The layout is tensor-major, so a prefix of a transfer's bytes is not a prefix of its tokens: a
+transfer moves as `KVPiece`s, each the wire format of its own token range [start, end); the pieces
+of one transfer are contiguous and in token order, and a piece never splits a token.
+
 Who calls what, when:
-- P's engine thread calls `gather_kv` on a finished request whose blocks are held
-  (`Request.kv_export_start`), right after the step that finished it, then frees the blocks.
+- P's engine thread (`KVExporter`, kv_export.py) calls `gather_kv` after each round for the
+  tokens of a `kv_export_start` request that round completed (whole blocks; the tail once the
+  request finished, then its blocks are freed). P's servicer cuts each piece to the message size
+  (`split_kv`) and streams it at once; the first token (`FirstToken`) comes last.
 - D's servicer calls `KVTransport.fetch` for each request the scheduler parked in
-  WAITING_FOR_REMOTE_KV; D's engine thread then calls `scatter_kv` (via
-  `LLMEngine.finish_remote_prefill`) to write the received bytes into the request's blocks.
+  WAITING_FOR_REMOTE_KV and adds what arrives to a `RemoteKV`; D's engine thread then calls
+  `scatter_kv` per piece, via `LLMEngine.finish_remote_prefill` when the transfer completed, or
+  via `LLMEngine.fallback_to_local_prefill` when it failed: that keeps the pieces received and
+  prefills only the rest locally.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -119,22 +128,101 @@ def scatter_kv(tensors: list[torch.Tensor], block_ids: list[int], block_size: in
     assert offset == buffer.numel(), f"buffer has {buffer.numel()} bytes, the tokens take {offset}"
 
 
+def split_kv(data: torch.Tensor, layout: KVLayout, start: int, max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """Cut the wire format of tokens [start, start + n) into the wire formats of consecutive
+    token ranges of at most `max_bytes` each (at least one token): yields (first token, bytes)."""
+    token_bytes = [math.prod(shape) * layout.element_size for shape in layout.token_shapes]
+    num_tokens = data.numel() // layout.bytes_per_token
+    assert num_tokens * layout.bytes_per_token == data.numel(), "a transfer holds whole tokens"
+    step = max(1, max_bytes // layout.bytes_per_token)
+    view = memoryview(data.numpy())
+    for a in range(0, num_tokens, step):
+        b = min(a + step, num_tokens)
+        parts, offset = [], 0
+        for size in token_bytes:  # each cache tensor's section, then the range's rows within it
+            parts.append(view[offset + a * size : offset + b * size])
+            offset += num_tokens * size
+        yield start + a, b"".join(parts)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The end of a remote prefill: the token P sampled after the prompt."""
+
+    token_id: int
+    logprob: Logprob | None
+    num_cached_tokens: int  # prompt tokens P served from its own prefix cache
+
+
+@dataclass
+class KVPiece:
+    """The KV of tokens [start, start + num_tokens) in the wire format."""
+
+    start: int
+    num_tokens: int
+    data: torch.Tensor  # [num_tokens * bytes_per_token] uint8
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
 @dataclass
 class ExportedKV:
-    """What P's engine hands its servicer for one finished request."""
+    """What P's engine hands its servicer for a request with `kv_export_start`, after each round
+    that completed some of its tokens; the last one carries the first token (blocks freed then)."""
 
     request_id: str
-    first_token_id: int
-    first_logprob: Logprob | None
-    num_tokens: int  # tokens of KV in `data`
-    num_cached_tokens: int  # prompt tokens P served from its own prefix cache
-    data: torch.Tensor  # [num_bytes] uint8, the wire format
+    piece: KVPiece  # may be empty (0 tokens) on the last one
+    first_token: FirstToken | None = None
+
+
+class RemoteKV:
+    """D's record of one transfer for tokens [start, end): the pieces received so far (contiguous
+    from `start`), and the first token once P finished. `add` rejects anything out of order."""
+
+    def __init__(self, start: int, end: int, bytes_per_token: int):
+        self.start = start
+        self.end = end
+        self.bytes_per_token = bytes_per_token
+        self.pieces: list[KVPiece] = []
+        self.first_token: FirstToken | None = None
+
+    @property
+    def num_received_tokens(self) -> int:
+        return (self.pieces[-1].end if self.pieces else self.start) - self.start
+
+    @property
+    def complete(self) -> bool:
+        return self.first_token is not None
+
+    def add(self, item: KVPiece | FirstToken) -> None:
+        """Raises KVTransferError on a piece that does not continue the received ones, a wrong
+        size, anything after the first token, or a first token before all the KV."""
+        received = self.start + self.num_received_tokens
+        if self.complete:
+            raise KVTransferError("data after the first token")
+        if isinstance(item, FirstToken):
+            if received != self.end:
+                raise KVTransferError(f"first token after {received - self.start} of {self.end - self.start} tokens")
+            self.first_token = item
+            return
+        if item.start != received or item.end > self.end or item.num_tokens <= 0:
+            raise KVTransferError(f"KV of tokens [{item.start}, {item.end}) after [{self.start}, {received})")
+        if item.data.numel() != item.num_tokens * self.bytes_per_token:
+            raise KVTransferError(f"KV of {item.num_tokens} tokens in {item.data.numel()} bytes")
+        self.pieces.append(item)
+
+    def pieces_before(self, token: int) -> list[KVPiece]:
+        """The received pieces that end at or before `token` (a prefix of them)."""
+        return [p for p in self.pieces if p.end <= token]
 
 
 @dataclass(frozen=True)
 class RemotePrefillTask:
     """D asks P (at `endpoint`) to prefill `prompt_token_ids` and send the KV from token
-    `num_computed_tokens` on (D already holds the tokens before)."""
+    `num_computed_tokens` on (D already holds the tokens before). The transfer fails when
+    nothing arrives for `idle_timeout_s`, or when it is not done after `timeout_s` in all."""
 
     endpoint: str
     request_id: str
@@ -143,18 +231,8 @@ class RemotePrefillTask:
     num_computed_tokens: int
     layout: KVLayout
     timeout_s: float
+    idle_timeout_s: float
     metadata: tuple[tuple[str, str], ...] = field(default=())  # e.g. trace context
-
-
-@dataclass
-class RemoteKV:
-    """The result of a transfer, handed to `LLMEngine.finish_remote_prefill`."""
-
-    first_token_id: int
-    first_logprob: Logprob | None
-    num_tokens: int
-    num_cached_tokens: int  # prompt tokens P did not recompute
-    data: torch.Tensor  # [num_bytes] uint8, the wire format
 
 
 class KVTransport(abc.ABC):
@@ -164,8 +242,10 @@ class KVTransport(abc.ABC):
     (moemesh.worker.kv_client, streaming over gRPC); RDMA/NIXL later."""
 
     @abc.abstractmethod
-    async def fetch(self, task: RemotePrefillTask) -> RemoteKV:
-        """Prefill on P and receive the KV plus the first token; raises KVTransferError."""
+    def fetch(self, task: RemotePrefillTask) -> AsyncIterator[KVPiece | FirstToken]:
+        """Prefill on P, yielding the KV as it arrives (contiguous pieces in token order from
+        `task.num_computed_tokens`), then the first token; raises KVTransferError on a failure
+        (what was yielded before stays valid). Closing the iterator early cancels the transfer."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook; the default holds nothing
         """Release connections; called once at worker shutdown."""
@@ -174,5 +254,6 @@ class KVTransport(abc.ABC):
 class NullKVTransport(KVTransport):
     """No prefill workers: every fetch fails, so D prefills locally (aggregated serving)."""
 
-    async def fetch(self, task: RemotePrefillTask) -> RemoteKV:
+    async def fetch(self, task: RemotePrefillTask) -> AsyncIterator[KVPiece | FirstToken]:
         raise KVTransferError("no KV transport configured")
+        yield  # an async generator that fails at once

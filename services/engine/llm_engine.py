@@ -8,8 +8,9 @@ runner thread touches the runner; only the caller's thread touches the scheduler
 
 Disaggregated serving (called by a worker's engine thread between steps, see kv_transfer.py):
 a decode worker adds requests with `remote_prefill`, reads `take_remote_prefills()` after each
-step, and completes each with `finish_remote_prefill` (or `fallback_to_local_prefill`); a prefill
-worker adds requests with `kv_export_start` and calls `export_kv` on each that finished.
+step, and completes each with `finish_remote_prefill` (or `fallback_to_local_prefill`, keeping
+the KV received before the failure); a prefill worker adds requests with `kv_export_start` and
+calls `take_kv_exports()` after each step for the KV its rounds completed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from moemesh.engine.config import EngineConfig
 from moemesh.engine.dtype import resolve_dtype
 from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.kv_cache_manager import KVCacheManager
-from moemesh.engine.kv_transfer import ExportedKV, KVLayout, RemoteKV, cache_tensors, gather_kv, kv_layout, scatter_kv
+from moemesh.engine.kv_export import KVExporter
+from moemesh.engine.kv_transfer import ExportedKV, KVLayout, KVPiece, RemoteKV, cache_tensors, kv_layout, scatter_kv
 from moemesh.engine.loader import open_checkpoint
 from moemesh.engine.loader.build import build_model
 from moemesh.engine.model_runner import ModelRunner, ModelRunnerOutput, measure_cache_budget
@@ -74,6 +76,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.runner.structured_outputs = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size)
         self.kv_layout: KVLayout = kv_layout(self.model, self.model_id)
+        self.kv_exporter = KVExporter(self.scheduler, cache_tensors(self.model))
         self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table(),
                                 config.model, self.model.cfg.vocab_size, self.model)  # fmt: skip
         self.runner.keep_hidden_states = self.spec.needs_hidden_states
@@ -112,7 +115,7 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError naming the bad field.
         `remote_prefill`: a decode worker may get the prompt's KV from a prefill worker.
-        `kv_export_start`: a prefill worker keeps the KV from that token for `export_kv`.
+        `kv_export_start`: a prefill worker hands out the KV from that token (`take_kv_exports`).
         `detokenize=False`: no text or stop strings here (a worker; the router detokenizes).
         `resume_token_ids`: output tokens another worker generated (a migrated request): it is
         admitted like a preempted one, its prompt and these tokens prefilled, and continues."""
@@ -192,6 +195,7 @@ class LLMEngine:
         finished = self.scheduler.finish_requests(ids, FinishReason.ABORT)
         for request_id in ids:
             self.scheduler.release_held(request_id)
+        self.kv_exporter.forget(ids)
         return [self._output(r, []) for r in finished]
 
     def has_unfinished_requests(self) -> bool:
@@ -205,44 +209,48 @@ class LLMEngine:
         return self.scheduler.take_remote_prefills()
 
     def finish_remote_prefill(self, request_id: str, kv: RemoteKV) -> list[RequestOutput]:
-        """Decode: write the received KV into the request's blocks and append the first token.
-        Returns the request's output (none if it was aborted meanwhile)."""
+        """Decode: write the received KV (a complete transfer) into the request's blocks and
+        append the first token. Returns the request's output (none if it was aborted meanwhile)."""
         request = self.scheduler.waiting_for_kv.get(request_id)
         if request is None:
             return []
-        start, end = request.num_computed_tokens, request.num_prompt_tokens
-        if kv.num_tokens != end - start or kv.data.numel() != kv.num_tokens * self.kv_layout.bytes_per_token:
-            raise ValueError(f"expected KV of {end - start} tokens, got {kv.num_tokens} ({kv.data.numel()} bytes)")
-        kv_manager = self.kv_cache_manager
-        scatter_kv(cache_tensors(self.model), kv_manager.get_block_ids(request_id), kv_manager.block_size, start, end,
-                   kv.data)  # fmt: skip
-        request.num_remote_prefill_tokens = end - start
-        request.num_cached_tokens = max(request.num_cached_tokens, kv.num_cached_tokens)
+        if not kv.complete or (kv.start, kv.end) != (request.num_computed_tokens, request.num_prompt_tokens):
+            raise ValueError(f"expected the KV of tokens [{request.num_computed_tokens}, {request.num_prompt_tokens}) "
+                             f"and the first token, got [{kv.start}, {kv.end}) complete={kv.complete}")  # fmt: skip
+        self._write_kv(request_id, kv.pieces)
+        request.num_remote_prefill_tokens = kv.end - kv.start
+        first = kv.first_token
+        request.num_cached_tokens = max(request.num_cached_tokens, first.num_cached_tokens)
         num_before = {request_id: request.num_output_tokens}
-        self.scheduler.finish_remote_prefill(request_id, kv.first_token_id)
-        logprobs = {request_id: kv.first_logprob} if kv.first_logprob is not None else {}
+        self.scheduler.finish_remote_prefill(request_id, first.token_id)
+        logprobs = {request_id: first.logprob} if first.logprob is not None else {}
         return self._process_outputs([request], logprobs, num_before)
 
-    def fallback_to_local_prefill(self, request_id: str) -> None:
-        """Decode: the transfer failed; prefill the uncached suffix here instead."""
-        if request_id in self.scheduler.waiting_for_kv:
-            self.scheduler.fallback_to_local_prefill(request_id)
-
-    def export_kv(self, request_id: str) -> ExportedKV | None:
-        """Prefill: copy a finished request's KV from `kv_export_start` on, then free its blocks."""
-        request = self.scheduler.kv_held.get(request_id)
+    def fallback_to_local_prefill(self, request_id: str, kv: RemoteKV | None = None) -> int:
+        """Decode: the transfer failed. Keep the KV received in `kv` (its whole pieces before the
+        last prompt token, whose logits the local prefill needs) and prefill the rest here.
+        Returns the number of tokens kept."""
+        request = self.scheduler.waiting_for_kv.get(request_id)
         if request is None:
-            return None
-        start, end = request.kv_export_start, request.num_prompt_tokens
-        kv_manager = self.kv_cache_manager
-        data = gather_kv(
-            cache_tensors(self.model), kv_manager.get_block_ids(request_id), kv_manager.block_size, start, end
-        )
-        self.scheduler.release_held(request_id)
-        logprob = request.output_logprobs[0] if request.output_logprobs else None
-        return ExportedKV(
-            request_id, request.output_token_ids[0], logprob, end - start, max(request.num_cached_tokens, 0), data
-        )
+            return 0
+        pieces = kv.pieces_before(request.num_prompt_tokens - 1) if kv is not None else []
+        assert not pieces or pieces[0].start == request.num_computed_tokens, "the KV continues the computed tokens"
+        self._write_kv(request_id, pieces)
+        num_kept = sum(p.num_tokens for p in pieces)
+        request.num_remote_prefill_tokens = num_kept
+        self.scheduler.fallback_to_local_prefill(request_id, num_kept)
+        return num_kept
+
+    def _write_kv(self, request_id: str, pieces: list[KVPiece]) -> None:
+        tensors, kv_manager = cache_tensors(self.model), self.kv_cache_manager
+        block_ids = kv_manager.get_block_ids(request_id)
+        for piece in pieces:
+            scatter_kv(tensors, block_ids, kv_manager.block_size, piece.start, piece.end, piece.data)
+
+    def take_kv_exports(self) -> list[ExportedKV]:
+        """Prefill: the KV that `kv_export_start` requests completed since the last call (whole
+        blocks while they run; the tail and the first token once finished, their blocks freed)."""
+        return self.kv_exporter.take()
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -283,6 +291,7 @@ class LLMEngine:
         num_before = {rid: len(requests[rid].output_token_ids)
                       for rid in scheduler_output.num_scheduled_tokens if rid in requests}  # fmt: skip
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        self.kv_exporter.record_round(scheduler_output)
         self.spec.record(scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids,
                          runner_output.hidden_states)  # fmt: skip
         return self._process_outputs(updated, runner_output.logprobs, num_before)

@@ -14,7 +14,7 @@ Disaggregated hooks (the worker's engine thread calls them between steps):
   `min_remote_tokens` is admitted into `waiting_for_kv` with all its prompt blocks allocated and
   nothing scheduled; it is listed once in `take_remote_prefills()`. `finish_remote_prefill`
   (KV written, first token known) moves it to running; `fallback_to_local_prefill` (transfer
-  failed) moves it to running with its suffix still to compute.
+  failed) moves it to running with the tokens after the KV it kept still to compute.
 - prefill worker: a request with `kv_export_start` keeps its blocks when it finishes normally
   (`kv_held`) until `release_held` is called after the KV is exported.
 """
@@ -98,9 +98,14 @@ class Scheduler:
             self.running.append(request)
         return request
 
-    def fallback_to_local_prefill(self, request_id: str) -> None:
-        """The remote prefill failed: compute the uncached suffix here, in the blocks it holds."""
+    def fallback_to_local_prefill(self, request_id: str, num_kept_tokens: int = 0) -> None:
+        """The remote prefill failed after the KV of `num_kept_tokens` tokens (after the computed
+        ones) was written: key the blocks that are full now, as a local prefill would, and
+        compute the rest here, in the blocks the request holds."""
         request = self.waiting_for_kv.pop(request_id)
+        assert request.num_computed_tokens + num_kept_tokens < request.num_tokens, "the last token is computed here"
+        request.num_computed_tokens += num_kept_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

@@ -50,6 +50,7 @@ class ClusterSpec:
     model: str | None = None
     num_threads: int | None = None  # per worker; None: cores / workers
     worker_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()  # after worker_args, for the prefill workers only
     router_args: tuple[str, ...] = ()
     num_experts: int = 0  # expert workers; > 0: prefill/decode workers run the routed experts there
     expert_args: tuple[str, ...] = ()
@@ -142,6 +143,8 @@ class LocalCluster:
         port = port or free_port(spec.host)
         remote = ("--remote-experts", "--expert-transport", spec.expert_transport) if spec.num_experts else ()
         role_args = spec.expert_args if role == "expert" else (*spec.worker_args, *remote)
+        if role == "prefill":
+            role_args = (*role_args, *spec.prefill_args)
         args = ["--role", role, "--worker-id", name, "--host", spec.host, "--advertise-host", spec.host,
                 "--grpc-port", str(port), "--metrics-port", str(free_port(spec.host)),
                 "--num-threads", str(num_threads), *self._common_args(name), *role_args]  # fmt: skip

@@ -1,8 +1,9 @@
 """PrefillWorker gRPC servicer: translation between proto and the engine only.
 
-Prefill(request): run the prompt as a 1-token request that keeps its blocks at the end
-(`kv_export_start` = the decode worker's computed tokens), then stream a PrefillHeader (first
-token, sizes) and the exported KV in chunks. A cancelled call aborts the request (blocks freed).
+Prefill(request): run the prompt as a 1-token request that hands out its KV from
+`kv_export_start` (= the decode worker's computed tokens) as its chunked prefill progresses;
+stream each round's KV at once as KVChunks (whole tokens, at most the chunk size each), then a
+PrefillDone with the first token. A cancelled call aborts the request (blocks freed).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import grpc
 from moemesh.common import telemetry
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.engine.async_engine import AsyncEngine
-from moemesh.engine.kv_transfer import ExportedKV
+from moemesh.engine.kv_transfer import ExportedKV, FirstToken, split_kv
 from moemesh.proto.convert import layout_from_proto, load_report, logprob_to_proto
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc, telemetry_pb2
 from moemesh.worker.grpc_status import admit, engine_errors_as_status
@@ -38,54 +39,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                                 f"KV layout mismatch: this worker has {layout}")  # fmt: skip
         # one token; EOS and stop ids stay in the params so that min_tokens masks them for it too
         params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1), stop=())
+        chunk_bytes = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
         start = time.monotonic()
-        parent = telemetry.extract_context(context)
-        with self._tracer.start_as_current_span("prefill", context=parent) as span:  # no yield inside
-            span.set_attribute("moemesh.request_id", request.request_id)
-            span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
-            exported = await self._run(request, params, context)
-            span.set_attribute("moemesh.num_cached_tokens", exported.num_cached_tokens)
-            self.metrics.observe_ttft(time.monotonic() - start)
-            self.metrics.prefills.inc()
-        span = self._tracer.start_span("kv_transfer.send", context=telemetry.extract_context(context))
-        span.set_attribute("moemesh.num_bytes", exported.data.numel())
-        sent_at = time.monotonic()
-        try:
-            yield prefill_pb2.PrefillResponse(header=self._header(exported))
-            view = memoryview(exported.data.numpy())
-            chunk = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
-            for offset in range(0, len(view), chunk):
-                yield prefill_pb2.PrefillResponse(
-                    chunk=prefill_pb2.KVChunk(offset=offset, data=view[offset : offset + chunk].tobytes())
-                )
-            self.metrics.transferred("sent", len(view), time.monotonic() - sent_at)
-        finally:
-            span.end()
-
-    async def _run(self, request, params, context) -> ExportedKV:
+        span = self._tracer.start_span("prefill", context=telemetry.extract_context(context))
+        span.set_attribute("moemesh.request_id", request.request_id)
+        span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         events = self.engine.generate(  # own id space: a 'both' worker may prefill for itself
             f"{request.request_id}/prefill", list(request.prompt_token_ids), params,
             kv_export_start=request.num_computed_tokens,
         )  # fmt: skip
+        num_bytes = 0
         try:
             async with engine_errors_as_status(context):
                 async for event in events:
-                    if isinstance(event, ExportedKV):
-                        return event
+                    if not isinstance(event, ExportedKV):
+                        continue
+                    for first, data in split_kv(event.piece.data, layout, event.piece.start, chunk_bytes):
+                        yield prefill_pb2.PrefillResponse(chunk=prefill_pb2.KVChunk(
+                            start_token=first, num_tokens=len(data) // layout.bytes_per_token, data=data))  # fmt: skip
+                        self.metrics.count_kv_bytes("sent", len(data))
+                        num_bytes += len(data)
+                    if event.first_token is not None:
+                        span.set_attribute("moemesh.num_cached_tokens", event.first_token.num_cached_tokens)
+                        span.set_attribute("moemesh.num_bytes", num_bytes)
+                        self.metrics.observe_ttft(time.monotonic() - start)
+                        self.metrics.observe_kv_transfer(time.monotonic() - start)
+                        self.metrics.prefills.inc()
+                        yield prefill_pb2.PrefillResponse(done=self._done(event.first_token))
+                        return
         finally:
+            span.end()
             await events.aclose()
         await context.abort(grpc.StatusCode.ABORTED, "the prefill was aborted")
 
-    def _header(self, exported: ExportedKV) -> prefill_pb2.PrefillHeader:
-        header = prefill_pb2.PrefillHeader(
-            first_token_id=exported.first_token_id,
-            num_tokens=exported.num_tokens,
-            num_bytes=exported.data.numel(),
-            num_cached_tokens=exported.num_cached_tokens,
-        )
-        if exported.first_logprob is not None:
-            header.first_logprob.CopyFrom(logprob_to_proto(exported.first_logprob))
-        return header
+    def _done(self, first: FirstToken) -> prefill_pb2.PrefillDone:
+        done = prefill_pb2.PrefillDone(first_token_id=first.token_id, num_cached_tokens=first.num_cached_tokens)
+        if first.logprob is not None:
+            done.first_logprob.CopyFrom(logprob_to_proto(first.logprob))
+        return done
 
     async def GetLoad(self, request, context) -> telemetry_pb2.LoadReport:
         return load_report(self.engine.stats, self.worker_id, self.role, self.metrics)

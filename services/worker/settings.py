@@ -131,7 +131,7 @@ class WorkerSettings:
     grpc_port: int = 50051
     metrics_port: int | None = 9090  # None: no Prometheus endpoint
     min_remote_prefill_tokens: int = 64  # decode: prefill remotely only if this many are uncached
-    kv_transfer_timeout_s: float = 30.0  # a remote prefill's KV must arrive within this ...
+    kv_transfer_timeout_s: float = 30.0  # a remote prefill fails with no KV for this long, or after this ...
     kv_transfer_timeout_per_token_s: float = 0.02  # ... plus this per uncached prompt token (long prompts)
     kv_chunk_bytes: int = 1 << 20  # well under gRPC's 4 MiB message limit
     max_queued_requests: int = 256  # decode: more waiting -> RESOURCE_EXHAUSTED (HTTP 429)
@@ -240,8 +240,9 @@ def add_worker_arguments(parser) -> None:
         help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)",
     )
     worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                        help="decode: seconds a remote prefill's KV may take, plus --kv-transfer-timeout-per-token "
-                             "per uncached prompt token; then the worker prefills locally")  # fmt: skip
+                        help="decode: seconds a remote prefill may go without sending KV, and the base of its "
+                             "deadline: this plus --kv-transfer-timeout-per-token per uncached prompt token; then "
+                             "the worker prefills the tokens whose KV did not arrive locally")  # fmt: skip
     worker.add_argument("--kv-transfer-timeout-per-token", type=float, default=0.02)
     worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)

@@ -61,6 +61,21 @@ def test_a_failed_transfer_falls_back_to_computing_the_suffix_in_the_same_blocks
     assert scheduler.kv.get_block_ids("a") == [1, 2, 3]
 
 
+def test_a_fallback_after_some_kv_computes_only_the_rest_and_keys_the_blocks_it_filled():
+    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler.add_request(remote_request("a", 10))
+    scheduler.schedule()
+    scheduler.fallback_to_local_prefill("a", num_kept_tokens=6)  # KV of tokens [0, 6) arrived
+    request = scheduler.requests["a"]
+    assert request.num_computed_tokens == 6 and request.status == RequestStatus.RUNNING
+    assert list(scheduler.kv.pool.cached_blocks) == request.block_hashes[:1]  # block 0 is full, block 1 is not
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 6 and new.block_ids == [1, 2, 3]
+    assert list(scheduler.kv.pool.cached_blocks) == request.block_hashes[:2]  # now also block 1, as computed here
+
+
 def test_aborting_a_request_waiting_for_kv_frees_its_blocks():
     scheduler = make_scheduler(num_blocks=16, block_size=4)
     scheduler.add_request(remote_request("a", 10))
@@ -69,6 +84,22 @@ def test_aborting_a_request_waiting_for_kv_frees_its_blocks():
 
     assert [r.request_id for r in scheduler.finish_requests(["a"], FinishReason.ABORT)] == ["a"]
     assert scheduler.kv.num_used_blocks == 0 and scheduler.num_unfinished_requests == 0
+
+
+def test_split_kv_cuts_a_transfer_into_the_wire_formats_of_its_token_ranges():
+    import torch
+
+    from moemesh.engine.kv_transfer import KVLayout, gather_kv, split_kv
+
+    source = [torch.randn(8, 4, 2, 3), torch.randn(8, 4, 5)]  # [num_blocks, block_size, *token_shape]
+    layout = KVLayout("m", "float32", ((2, 3), (5,)))  # 44 bytes per token
+    block_ids = [3, 1, 6, 0]
+    pieces = list(split_kv(gather_kv(source, block_ids, 4, 2, 13), layout, 2, max_bytes=4 * 44 + 10))
+    assert [first for first, _ in pieces] == [2, 6, 10]
+    for first, data in pieces:
+        end = first + len(data) // 44
+        assert data == gather_kv(source, block_ids, 4, first, end).numpy().tobytes()
+    assert len(pieces[-1][1]) == 3 * 44
 
 
 def test_a_prefill_request_holds_its_blocks_until_released():
@@ -137,13 +168,15 @@ def test_kv_exported_by_one_engine_and_injected_into_another_continues_greedy_de
     assert parked.num_computed_tokens == num_hit_blocks * 16
     first_token_only = SamplingParams(temperature=0.0, max_tokens=1)
     engine.add_request(prompt, first_token_only, "p", kv_export_start=parked.num_computed_tokens)
-    exported = None
-    while exported is None:
-        for output in engine.step():
-            if output.request_id == "p" and output.finished:
-                exported = engine.export_kv("p")
-    assert exported.num_tokens == len(prompt) - parked.num_computed_tokens
-    kv = RemoteKV(exported.first_token_id, None, exported.num_tokens, exported.num_cached_tokens, exported.data)
+    kv = RemoteKV(parked.num_computed_tokens, len(prompt), engine.kv_layout.bytes_per_token)
+    while not kv.complete:
+        engine.step()
+        for exported in engine.take_kv_exports():
+            if exported.piece.num_tokens:
+                kv.add(exported.piece)
+            if exported.first_token is not None:
+                kv.add(exported.first_token)
+    assert kv.num_received_tokens == len(prompt) - parked.num_computed_tokens
     (first,) = engine.finish_remote_prefill("d", kv)
     token_ids = list(first.token_ids)
     while engine.has_unfinished_requests():

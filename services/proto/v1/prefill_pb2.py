@@ -26,7 +26,7 @@ from moemesh.proto.v1 import common_pb2 as moemesh_dot_v1_dot_common__pb2
 from moemesh.proto.v1 import telemetry_pb2 as moemesh_dot_v1_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18moemesh/v1/prefill.proto\x12\nmoemesh.v1\x1a\x17moemesh/v1/common.proto\x1a\x1amoemesh/v1/telemetry.proto\"(\n\x11\x43\x61\x63heTensorLayout\x12\x13\n\x0btoken_shape\x18\x01 \x03(\x05\"[\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.moemesh.v1.CacheTensorLayout\x12\x10\n\x08model_id\x18\x03 \x01(\t\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.moemesh.v1.SamplingParams\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.moemesh.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x05\"\x9a\x01\n\rPrefillHeader\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.moemesh.v1.TokenLogprob\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\'\n\x07KVChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"l\n\x0fPrefillResponse\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.moemesh.v1.PrefillHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.moemesh.v1.KVChunkH\x00\x42\x06\n\x04kind2\x91\x01\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.moemesh.v1.PrefillRequest\x1a\x1b.moemesh.v1.PrefillResponse0\x01\x12:\n\x07GetLoad\x12\x17.moemesh.v1.LoadRequest\x1a\x16.moemesh.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18moemesh/v1/prefill.proto\x12\nmoemesh.v1\x1a\x17moemesh/v1/common.proto\x1a\x1amoemesh/v1/telemetry.proto\"(\n\x11\x43\x61\x63heTensorLayout\x12\x13\n\x0btoken_shape\x18\x01 \x03(\x05\"[\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.moemesh.v1.CacheTensorLayout\x12\x10\n\x08model_id\x18\x03 \x01(\t\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.moemesh.v1.SamplingParams\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.moemesh.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x05\"q\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.moemesh.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"L\n\x07KVChunk\x12\x13\n\x0bstart_token\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"n\n\x0fPrefillResponse\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.moemesh.v1.KVChunkH\x00\x12\'\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.moemesh.v1.PrefillDoneH\x00\x42\x06\n\x04kindJ\x04\x08\x01\x10\x02\x32\x91\x01\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.moemesh.v1.PrefillRequest\x1a\x1b.moemesh.v1.PrefillResponse0\x01\x12:\n\x07GetLoad\x12\x17.moemesh.v1.LoadRequest\x1a\x16.moemesh.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,12 +39,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_end=226
   _globals['_PREFILLREQUEST']._serialized_start=229
   _globals['_PREFILLREQUEST']._serialized_end=429
-  _globals['_PREFILLHEADER']._serialized_start=432
-  _globals['_PREFILLHEADER']._serialized_end=586
-  _globals['_KVCHUNK']._serialized_start=588
-  _globals['_KVCHUNK']._serialized_end=627
-  _globals['_PREFILLRESPONSE']._serialized_start=629
-  _globals['_PREFILLRESPONSE']._serialized_end=737
-  _globals['_PREFILLWORKER']._serialized_start=740
-  _globals['_PREFILLWORKER']._serialized_end=885
+  _globals['_PREFILLDONE']._serialized_start=431
+  _globals['_PREFILLDONE']._serialized_end=544
+  _globals['_KVCHUNK']._serialized_start=546
+  _globals['_KVCHUNK']._serialized_end=622
+  _globals['_PREFILLRESPONSE']._serialized_start=624
+  _globals['_PREFILLRESPONSE']._serialized_end=734
+  _globals['_PREFILLWORKER']._serialized_start=737
+  _globals['_PREFILLWORKER']._serialized_end=882
 # @@protoc_insertion_point(module_scope)

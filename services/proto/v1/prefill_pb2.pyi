@@ -40,32 +40,30 @@ class PrefillRequest(_message.Message):
     max_chunk_bytes: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
-class PrefillHeader(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_tokens", "num_bytes", "num_cached_tokens")
+class PrefillDone(_message.Message):
+    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
-    num_tokens: int
-    num_bytes: int
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("offset", "data")
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("start_token", "num_tokens", "data")
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    offset: int
+    start_token: int
+    num_tokens: int
     data: bytes
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("header", "chunk")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunk", "done")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
-    header: PrefillHeader
+    DONE_FIELD_NUMBER: _ClassVar[int]
     chunk: KVChunk
-    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
+    done: PrefillDone
+    def __init__(self, chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...

@@ -51,9 +51,12 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Prefill the prompt (reusing this worker's prefix cache), sample the first token, then
-        stream: one PrefillHeader, then the KV of tokens [num_computed_tokens, len(prompt)) as
-        KVChunks of at most max_chunk_bytes. Cancelling the call aborts and frees the blocks.
+        """Prefill the prompt (reusing this worker's prefix cache) and stream the KV of tokens
+        [num_computed_tokens, len(prompt)) while the chunked prefill runs: after each round, the
+        whole blocks it completed as KVChunks (contiguous, in token order, whole tokens of at most
+        max_chunk_bytes each, at least one token), then the tail, then one PrefillDone with the first
+        token. A receiver that loses the stream keeps the chunks it has. Cancelling the call aborts
+        and frees the blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
