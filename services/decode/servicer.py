@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from moemesh.common import telemetry
 from moemesh.common.metrics import RequestTimes, WorkerMetrics
@@ -99,6 +100,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                     if isinstance(event, RemotePrefillNeeded):
                         phase.update_name("queue")
                         phase.end()
+                        phase = trace.INVALID_SPAN  # ending it again (cancelled during the transfer) is a no-op
                         remote = await self._remote_prefill(request, event, ctx)
                         num_remote_tokens, remote_first_token = remote.num_tokens, remote.complete
                         phase = self._tracer.start_span("decode" if remote.complete else "prefill.fallback",
