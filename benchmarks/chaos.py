@@ -1,14 +1,22 @@
 """Chaos: concurrent greedy streams against a local cluster while a seeded schedule SIGKILLs one
-process every few seconds (a decode worker, the prefill worker, Redis, ...), and the cluster's
-supervisor restarts each one, as `moemesh up` and a kubelet do.
+process every few seconds (a decode worker, the prefill worker, an expert worker, Redis, ...),
+and the cluster's supervisor restarts each one, as `moemesh up` and a kubelet do.
 
-    python benchmarks/chaos.py [--streams 64] [--duration 60] [--kill-every 10] [--seed 0]
-                               [--decode 2] [--max-tokens 32]
+    python benchmarks/chaos.py [--model smollm2 | tiny-moe] [--experts 2] [--streams 64]
+                               [--duration 60] [--kill-every 10] [--seed 0] [--decode 2]
+                               [--max-tokens 32] [--baseline 60]
 
-Printed: requests, migrations, 429s and client-visible failures, greedy outputs that differ from
-the fault-free reference, and p50/p99 TTFT and inter-token latency of requests that started
-without a fault nearby vs within `--recovery` seconds after a kill. The same harness
-(`run_chaos`) runs in tests/services/test_chaos.py on a shorter schedule.
+`--model tiny-moe`: a tiny random DeepSeek-V3 (MLA, grouped routing, a shared expert; built
+with transformers, `save_tiny_moe`) with a character tokenizer, its routed experts on
+`--experts` expert workers (default 2) that each hold a replica of every expert (two copies
+per expert), so the schedule also kills an expert worker. The default model is SmolLM2 (dense).
+
+First a fault-free pass of `--baseline` seconds (0: none), then the chaos pass. Printed per
+pass: requests, migrations, 429s and client-visible failures, greedy outputs that differ from
+the offline engine's (the fault-free reference), then p50/p99 TTFT and inter-token latency of
+the fault-free pass and of the chaos pass's requests that started within `--recovery` seconds
+after a kill vs the others. The same harness (`run_chaos`) runs in tests/services/test_chaos.py
+on a shorter schedule.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -27,6 +36,8 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import httpx
+
+VOCAB = 128  # tiny-moe: token id = ASCII code
 
 PROMPTS = [
     "List three uses of copper:",
@@ -72,6 +83,42 @@ def metric_total(metrics_url: str, name: str) -> float:
 
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def seeded_schedule(seed: int, num_kills: int, decode_ids: list[str], expert_ids: list[str] = (),
+                    prefill_id: str = "prefill-0") -> list[str]:  # fmt: skip
+    """The victims in turn: a decode worker, the prefill worker, an expert worker (when there are
+    any), Redis, again; which decode / expert worker is drawn from `seed`."""
+    rng = random.Random(seed)
+    draws = {"decode": lambda: rng.choice(decode_ids), "prefill": lambda: prefill_id,
+             "expert": lambda: rng.choice(expert_ids), "redis": lambda: "redis"}  # fmt: skip
+    roles = ["decode", "prefill", *(["expert"] if expert_ids else []), "redis"]
+    return [draws[roles[n % len(roles)]]() for n in range(num_kills)]
+
+
+def save_tiny_moe(path: str, seed: int = 0) -> str:
+    """A tiny random DeepSeek-V3 (transformers' own classes: MLA, 16 routed experts in 4 groups,
+    top-4 from 2 groups, a shared expert; layer 0 dense, 2 MoE layers) saved with
+    `save_pretrained`, plus a character tokenizer over ASCII (token id = code point, no merges),
+    so the OpenAI API takes and returns text. Returns `path`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        initializer_range=0.1, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    DeepseekV3ForCausalLM(config).eval().save_pretrained(path)
+    tokenizer = Tokenizer(models.BPE(vocab={chr(i): i for i in range(VOCAB)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    return path
 
 
 def kill(cluster, victim: str) -> None:
@@ -167,18 +214,25 @@ def percentiles(values: list[float]) -> str:
     return f"{statistics.median(values) * 1000:6.0f} / {p99 * 1000:6.0f}"
 
 
-def report(result: ChaosResult, expected: dict[str, str] | None, recovery_s: float) -> None:
-    print(f"requests {len(result.samples)}  migrations {result.migrations:.0f}  "
-          f"429s {sum(s.error == '429' for s in result.samples)}  failures {len(result.failures)}"
-          + (f"  differing outputs {len(result.mismatches(expected))}" if expected else ""))  # fmt: skip
-    print("kills: " + ", ".join(f"{victim}" for _, victim in result.kills))
-    print(f"{'requests':<26}{'n':>6}  {'TTFT p50/p99 ms':>16}  {'ITL p50/p99 ms':>16}")
-    for label, near in (("without faults", False), (f"within {recovery_s:g} s of a kill", True)):
-        group = [s for s in result.samples if s.error is None and result.near_fault(s, recovery_s) == near]
-        print(f"{label:<26}{len(group):>6}  {percentiles([s.ttft for s in group if s.ttft]):>16}  "
-              f"{percentiles([x for s in group for x in s.itls]):>16}")  # fmt: skip
+def report(label: str, result: ChaosResult, expected: dict[str, str]) -> None:
+    print(f"{label}: requests {len(result.samples)}  migrations {result.migrations:.0f}  "
+          f"429s {sum(s.error == '429' for s in result.samples)}  failures {len(result.failures)}  "
+          f"differing outputs {len(result.mismatches(expected))}"
+          + (f"  kills: {', '.join(victim for _, victim in result.kills)}" if result.kills else ""))  # fmt: skip
     for failure in result.failures[:5]:
         print(f"  failed: {failure.prompt!r}: {failure.error}")
+
+
+def latency_table(baseline: ChaosResult | None, chaos: ChaosResult, recovery_s: float) -> None:
+    rows = [("fault-free pass", baseline.samples if baseline else [])] if baseline else []
+    rows += [(label, [s for s in chaos.samples if chaos.near_fault(s, recovery_s) == near])
+             for label, near in (("chaos: no kill in the last " + f"{recovery_s:g} s", False),
+                                 (f"chaos: <= {recovery_s:g} s after a kill", True))]  # fmt: skip
+    print(f"{'requests':<34}{'n':>6}  {'TTFT p50/p99 ms':>16}  {'ITL p50/p99 ms':>16}")
+    for label, samples in rows:
+        group = [s for s in samples if s.error is None]
+        print(f"{label:<34}{len(group):>6}  {percentiles([s.ttft for s in group if s.ttft]):>16}  "
+              f"{percentiles([x for s in group for x in s.itls]):>16}")  # fmt: skip
 
 
 def main() -> None:
@@ -186,8 +240,11 @@ def main() -> None:
     from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-moe"))
+    parser.add_argument("--experts", type=int, default=2, help="tiny-moe: expert workers (>= 2: each expert twice)")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--baseline", type=float, default=60.0, help="seconds of the fault-free pass first (0: none)")
     parser.add_argument("--kill-every", type=float, default=10.0)
     parser.add_argument("--recovery", type=float, default=10.0, help="seconds after a kill that count as 'faulty'")
     parser.add_argument("--decode", type=int, default=2)
@@ -195,23 +252,36 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    llm = LLM(max_model_len=1024, show_progress=False)
+    logs = tempfile.mkdtemp(prefix="moemesh-chaos-")
+    moe = args.model == "tiny-moe"
+    model = save_tiny_moe(tempfile.mkdtemp(prefix="moemesh-tiny-moe-")) if moe else None
+    max_len = 256 if moe else 1024
+    llm = LLM(model, dtype="float32", max_model_len=max_len, show_progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     expected = {p: o.text for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
     del llm
-    logs = tempfile.mkdtemp(prefix="moemesh-chaos-")
+    num_experts = args.experts if moe else 0
+    worker_args = ("--dtype", "float32", "--max-model-len", str(max_len))  # float32: as the reference
     spec = ClusterSpec(num_prefill=1, num_decode=args.decode, http_port=0, heartbeat_ttl_s=3.0, log_dir=logs,
-                       worker_args=("--max-model-len", "1024"), router_args=("--max-model-len", "1024"))  # fmt: skip
-    rng = random.Random(args.seed)  # the seeded schedule: decode worker, prefill worker, Redis, ...
-    roles = ["decode", "prefill", "redis"]
-    schedule = [f"decode-{rng.randrange(args.decode)}" if roles[n % 3] == "decode" else
-                "prefill-0" if roles[n % 3] == "prefill" else "redis"
-                for n in range(int(args.duration // args.kill_every))]  # fmt: skip
+                       model=model, worker_args=worker_args, router_args=("--max-model-len", str(max_len)),
+                       num_experts=num_experts, expert_replicas=min(2, max(num_experts, 1)),
+                       expert_args=("--dtype", "float32"))  # fmt: skip
     with LocalCluster(spec) as cluster:
-        print(f"{args.streams} streams for {args.duration:g} s, kills every {args.kill_every:g} s: "
-              f"{', '.join(schedule)} (logs: {logs})")  # fmt: skip
+        decode_ids = [name for name, s in cluster.services.items() if s.role == "decode"]
+        num_kills = math.ceil(args.duration / args.kill_every) - 1  # at kill_every, 2 * kill_every, ... < duration
+        schedule = seeded_schedule(args.seed, num_kills, decode_ids, cluster.expert_ids())
+        print(f"{args.model}: 1 prefill, {args.decode} decode, {num_experts} expert workers; {args.streams} streams, "
+              f"max_tokens {args.max_tokens} (logs: {logs})")  # fmt: skip
+        baseline = None
+        if args.baseline > 0:
+            baseline = run_chaos(cluster, [], args.streams, args.baseline, args.kill_every, args.max_tokens)
+            report(f"fault-free pass, {args.baseline:g} s", baseline, expected)
+        print(f"chaos pass, {args.duration:g} s, a kill every {args.kill_every:g} s: {', '.join(schedule)}")
         result = run_chaos(cluster, schedule, args.streams, args.duration, args.kill_every, args.max_tokens)
-        report(result, expected, args.recovery)
+        report(f"chaos pass, {args.duration:g} s", result, expected)
+        for line in result.restarts:
+            print(f"  supervisor: {line}")
+        latency_table(baseline, result, args.recovery)
 
 
 if __name__ == "__main__":

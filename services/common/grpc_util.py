@@ -72,10 +72,42 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-def create_server(host: str, port: int, health: HealthReporter) -> tuple[grpc.aio.Server, int]:
+class StartupGate(grpc.aio.ServerInterceptor):
+    """Until `open()`, every call but the health service's is refused with UNAVAILABLE. A worker's
+    server listens while its engine loads and, with remote experts, while it waits for a placement
+    and installs the executor; a caller that tries it then (a decode worker reaching a restarted
+    prefill worker at its old address) is told to go elsewhere instead of running a request the
+    worker cannot run yet. Opened once by the owner when it turns SERVING; never closed again
+    (draining is the health status's job, in-flight follow-up calls must still pass)."""
+
+    def __init__(self, owner: str):
+        self._owner = owner
+        self.is_open = False
+
+    def open(self) -> None:
+        self.is_open = True
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if self.is_open or handler is None or handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        message = f"{self._owner} is starting (not serving yet)"
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream else
+                "stream_unary" if handler.stream_unary else "stream_stream")  # fmt: skip
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(refuse, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)  # fmt: skip
+
+
+def create_server(host: str, port: int, health: HealthReporter,
+                  interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> tuple[grpc.aio.Server, int]:  # fmt: skip
     """An asyncio server bound to host:port (0 = any free port) with the health service added;
     returns it (not started) and the bound port."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -293,6 +293,25 @@ class PlacementStore:
                 pipe.delete(redis_keys.placement_ready_key(self._mesh, v))
             pipe.execute()
 
+    def restore(self, placement: Placement) -> bool:
+        """Store ``placement`` as published and active under its own version, but only while this
+        mesh has no placement at all (Redis lost its keys: a restart without persistence). The
+        workers still hold that version, so they go on as before. Returns False (and changes
+        nothing) when some placement is stored. Called by the local launcher, which stands in
+        for the operator and remembers the active placement."""
+        latest_key = redis_keys.placement_latest_key(self._mesh)
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.watch(latest_key)
+            if pipe.get(latest_key) is not None:
+                return False
+            pipe.multi()
+            pipe.set(redis_keys.placement_key(self._mesh, placement.version), placement.to_json())
+            pipe.set(latest_key, placement.version)
+            pipe.zadd(redis_keys.placement_versions_key(self._mesh), {str(placement.version): placement.version})
+            pipe.set(redis_keys.placement_current_key(self._mesh), placement.version)
+            pipe.execute()  # raises WatchError if a publisher raced us
+        return True
+
     def _require(self, version: int) -> Placement:
         placement = self.get(version)
         if placement is None:

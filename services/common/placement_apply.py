@@ -24,14 +24,20 @@ class PlacementTimeoutError(PlacementError):
     """The owning workers did not all load the placement in time (it stays pending)."""
 
 
-def even_placement(num_layers: int, num_experts: int, worker_ids: Sequence[str], version: int = 1) -> Placement:
-    """Slot s holds expert s mod num_experts in every layer; slots are the fewest that divide
-    evenly over the workers (extra slots replicate experts 0, 1, ...); worker w owns a
-    contiguous range. With num_experts a multiple of the workers it is the identity."""
+def even_placement(num_layers: int, num_experts: int, worker_ids: Sequence[str], version: int = 1,
+                   replicas: int = 1) -> Placement:  # fmt: skip
+    """Slot s holds expert s mod num_experts in every layer; slots are the fewest that hold
+    `replicas` copies of every expert and divide evenly over the workers (extra slots replicate
+    experts 0, 1, ...); worker w owns a contiguous range. A worker's range is at most
+    num_experts slots long when replicas <= workers, so an expert's copies (num_experts slots
+    apart) sit on different workers: with replicas >= 2 any one worker can die. With
+    replicas == 1 and num_experts a multiple of the workers it is the identity."""
     num_workers = len(worker_ids)
     if num_workers < 1:
         raise PlacementError("an expert placement needs at least one expert worker")
-    num_slots = -(-num_experts // num_workers) * num_workers
+    if not 1 <= replicas <= num_workers:
+        raise PlacementError(f"{replicas} replicas of each expert need as many expert workers, not {num_workers}")
+    num_slots = -(-replicas * num_experts // num_workers) * num_workers
     phy2log = np.tile(np.arange(num_slots) % num_experts, (num_layers, 1))
     return Placement(version=version, num_experts=num_experts, worker_ids=tuple(worker_ids),
                      slot_owner=contiguous_slot_owner(num_slots, num_workers), phy2log=phy2log)  # fmt: skip

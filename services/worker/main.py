@@ -1,11 +1,13 @@
 """A prefill / decode / both worker process: one engine, its gRPC servicers, health, metrics,
 registry heartbeats and prefix-index events.
 
-Start-up: the gRPC server starts at once with health NOT_SERVING; the engine loads in its own
-thread; then the worker resyncs its (empty) prefix-index entry, heartbeats into the registry and
-turns SERVING. Shutdown (SIGTERM / SIGINT): NOT_SERVING, leave the registry and the index (so
-routers stop choosing it), stop the server with a grace period (in-flight requests finish or
-are cancelled, which aborts them and frees their blocks), stop the engine.
+Start-up: the gRPC server starts at once with health NOT_SERVING and refuses the worker's own
+calls with UNAVAILABLE (`StartupGate`); the engine loads in its own thread (with remote experts,
+the executor is installed once a placement is active); then the worker resyncs its (empty)
+prefix-index entry, opens the gate, heartbeats into the registry and turns SERVING. Shutdown
+(SIGTERM / SIGINT): NOT_SERVING, leave the registry and the index (so routers stop choosing it),
+stop the server with a grace period (in-flight requests finish or are cancelled, which aborts
+them and frees their blocks), stop the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import redis
 from prometheus_client import start_http_server
 
 from moemesh.common import redis_client, registry, telemetry
-from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
+from moemesh.common.grpc_util import ChannelPool, HealthReporter, StartupGate, create_server
 from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.common.model_source import default_model_path
@@ -93,7 +95,8 @@ class Worker:
         if s.role in ("prefill", "both"):
             names.append(prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
         self.health = HealthReporter(names)
-        server, port = create_server(s.host, s.grpc_port, self.health)
+        gate = StartupGate(f"worker {s.worker_id}")
+        server, port = create_server(s.host, s.grpc_port, self.health, (gate,))
         self._add_servicers(server)
         await self.health.set_serving(False)
         await server.start()
@@ -118,6 +121,7 @@ class Worker:
             self._tasks = [asyncio.create_task(self.publisher.run()), asyncio.create_task(self._heartbeats()),
                            asyncio.create_task(self.experts.watch())]  # fmt: skip
             await self.publisher.flush()
+            gate.open()  # before the heartbeat: routers may pick it from then on
             await self._heartbeat_once()
             await self.health.set_serving(True)
             logger.info("worker %s serving on %s", s.worker_id, s.endpoint)

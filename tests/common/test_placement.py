@@ -11,6 +11,7 @@ from moemesh.common.placement import (
     PlacementStore,
     make_placement,
 )
+from moemesh.common.placement_apply import even_placement
 
 MESH = "ns1/mesh1"
 WORKERS = ("expert-0", "expert-1")
@@ -168,3 +169,34 @@ def test_keys_follow_the_documented_schema(store, redis_client):
             redis_keys.placement_versions_key(MESH),
         )
     )
+
+
+def test_restore_puts_back_the_held_version_only_into_an_empty_store(store, redis_client):
+    assert store.restore(two_layer_placement(4))  # Redis lost the mesh's keys; the workers hold version 4
+    assert store.current_version() == store.latest_version() == 4 and store.pending() is None
+    assert store.current().same_layout(two_layer_placement())
+    store.publish(two_layer_placement(5))  # the two-phase apply goes on from there
+    assert not store.restore(two_layer_placement(9))  # some placement is stored: nothing changes
+    assert (store.current_version(), store.latest_version()) == (4, 5)
+    for worker in WORKERS:
+        store.mark_ready(worker, 5)
+    store.activate(5)
+    assert store.current_version() == 5 and store.get(4).version == 4
+
+
+@pytest.mark.parametrize("num_experts, num_workers, replicas, slots_per_worker",
+                         [(16, 2, 2, 16), (5, 3, 2, 4), (4, 4, 3, 3), (3, 2, 1, 2)])  # fmt: skip
+def test_even_placement_puts_each_replica_of_an_expert_on_another_worker(num_experts, num_workers, replicas,
+                                                                         slots_per_worker):  # fmt: skip
+    workers = [f"expert-{w}" for w in range(num_workers)]
+    placement = even_placement(2, num_experts, workers, replicas=replicas)
+    assert placement.num_slots == slots_per_worker * num_workers
+    for worker in workers:
+        held = placement.phy2log[:, placement.slots_of(worker)]  # [num_layers, slots_per_worker]
+        assert all(len(set(row)) == len(row) for row in held.tolist())  # no expert twice on one worker
+    assert (placement.replica_counts >= replicas).all()
+
+
+def test_even_placement_needs_a_worker_per_replica():
+    with pytest.raises(PlacementError, match="3 replicas of each expert need as many expert workers, not 2"):
+        even_placement(1, 4, ["expert-0", "expert-1"], replicas=3)

@@ -134,3 +134,9 @@ def test_up_checks_speculation_flags_before_starting_anything_and_hands_them_to_
                      "confidence")  # fmt: skip
     worker = build_parser().parse_args(["serve", "--role", "decode", *flags])  # the workers accept them
     assert worker.speculative_method == "ngram" and worker.num_speculative_tokens == 3
+
+
+def test_up_refuses_more_expert_replicas_than_expert_workers_before_starting_anything():
+    bad = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--experts", "2", "--expert-replicas", "3"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--expert-replicas 3 needs 1 <= replicas <= --experts (2)" in bad.stderr
