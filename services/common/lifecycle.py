@@ -22,19 +22,20 @@ async def watch_parent(parent_pid: int | None, stop, interval_s: float = 1.0) ->
 
 def serve_until_signalled(serve, parent_pid: int | None) -> int:
     """Run `serve(stop)` (a coroutine function taking an asyncio.Event) until SIGTERM / SIGINT,
-    or until the launcher `parent_pid` is gone; a worker process's main loop. Returns 0."""
+    or until the launcher `parent_pid` is gone; a worker process's main loop. Returns the exit
+    status `serve` returns (None: 0)."""
 
-    async def run() -> None:
+    async def run() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         watchdog = asyncio.create_task(watch_parent(parent_pid, stop))
-        await serve(stop)
+        code = await serve(stop)
         watchdog.cancel()
+        return code or 0
 
-    asyncio.run(run())
-    return 0
+    return asyncio.run(run())
 
 
 def exit_process(code: int) -> NoReturn:

@@ -77,6 +77,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future = loop.create_future()
+        self._crashed: asyncio.Future = loop.create_future()  # the error that ended the engine thread
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.engine: LLMEngine | None = None  # set once loaded; only the engine thread uses it
@@ -89,6 +90,12 @@ class AsyncEngine:
     async def wait_ready(self) -> None:
         """Returns once the model is loaded; raises the load error if loading failed."""
         await asyncio.shield(self._ready)
+
+    async def wait_crashed(self) -> BaseException:
+        """Returns (never raises) the error that ended the engine thread after it was ready; waits
+        forever while it runs or after a `stop()`. A worker whose engine crashed serves nothing
+        more, so it exits for its supervisor to restart it."""
+        return await asyncio.shield(self._crashed)
 
     @property
     def is_ready(self) -> bool:
@@ -179,8 +186,9 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._loop_once(self.engine)
-        except BaseException:
+        except BaseException as e:
             logger.exception("engine thread crashed")
+            self._loop.call_soon_threadsafe(_set_result, self._crashed, e)
             raise
         finally:
             self._stopping.set()

@@ -81,7 +81,8 @@ class Worker:
             else NoRemoteExperts()
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until `stop` is set (returns 0) or the engine thread crashes (returns 1)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         self.engine = AsyncEngine(
@@ -108,10 +109,10 @@ class Worker:
         try:
             await _first(self.engine.wait_ready(), stop.wait())
             if stop.is_set():
-                return
+                return 0
             await self.experts.install(self.engine, stop)  # remote experts: waits for an active placement
             if stop.is_set():
-                return
+                return 0
             engine = self.engine.engine
             self.publisher = PrefixIndexPublisher(
                 PrefixIndex(self.redis, s.mesh.mesh), s.worker_id, engine.budget.block_size, engine.model_id,
@@ -125,9 +126,13 @@ class Worker:
             await self._heartbeat_once()
             await self.health.set_serving(True)
             logger.info("worker %s serving on %s", s.worker_id, s.endpoint)
-            await stop.wait()
+            await _first(stop.wait(), self.engine.wait_crashed())
+            if not stop.is_set():  # serving nothing more: exit non-zero, to be restarted
+                logger.error("worker %s: the engine thread crashed; exiting with status 1", s.worker_id)
+                return 1
         finally:
             await self._shutdown(server, metrics_server)
+        return 0
 
     def _add_servicers(self, server) -> None:
         s = self.settings
