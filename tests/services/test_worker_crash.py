@@ -31,7 +31,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_worker_whose_engine_thread_crashes_exits_1_and_leaves_the_registry(redis_server, redis_client):
     port = free_port()
     command = [sys.executable, "-c", CRASHING_WORKER, "serve", "--role", "decode", "--worker-id", "crashy",
-               "--grpc-port", str(port), "--dtype", "float32", "--num-blocks", "64", "--redis-url", redis_server.url,
+               "--host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "0", "--dtype", "float32", "--num-blocks", "64", "--redis-url", redis_server.url,
                "--mesh", "crash", "--heartbeat-ttl", "60"]  # fmt: skip
     worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
