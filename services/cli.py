@@ -122,7 +122,6 @@ def _up(args) -> int:
 def _generate(args) -> int:
     from moemesh.common.settings import SettingsError
     from moemesh.engine.errors import MoemeshError
-    from moemesh.engine.llm import LLM
     from moemesh.engine.sampling_params import SamplingParams
     from moemesh.worker.settings import speculation_settings
 
@@ -136,6 +135,8 @@ def _generate(args) -> int:
             stop=tuple(args.stop),
         )
         speculative = speculation_settings(args).spec_config()
+        from moemesh.engine.llm import LLM  # torch: only once the arguments are known good
+
         llm = LLM(model=args.model, dtype=args.dtype, speculative=speculative)
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
