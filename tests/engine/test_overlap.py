@@ -72,7 +72,7 @@ def test_seeded_sampling_is_identical_with_overlap_and_preemption(engines, smoll
     """Seeded rows draw from their own generator; a preempted request resumes the seed's stream
     (the runner fast-forwards it), so the pool size and overlap change nothing."""
     overlapped, sequential = engines
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=24) for i in range(len(PROMPTS))]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=12) for i in range(len(PROMPTS))]
     reference = smollm.generate(PROMPTS, params)  # a pool that never preempts
     preemptions = sequential.engine.scheduler.num_preemptions
     off = sequential.generate(PROMPTS, params)
