@@ -28,7 +28,7 @@ PREFILL_ARGS = ("--max-num-batched-tokens", "128")  # many rounds per prompt: KV
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    spec = ClusterSpec(num_prefill=1, num_decode=1, http_port=0, mesh=MESH, num_threads=1, worker_args=LONG_ARGS,
+    spec = ClusterSpec(num_prefill=1, num_decode=1, http_port=0, mesh=MESH, num_threads=2, worker_args=LONG_ARGS,
                        prefill_args=PREFILL_ARGS, router_args=(*ROUTER_ARGS, "--max-model-len", "8192"),
                        heartbeat_ttl_s=3.0, log_dir=str(tmp_path_factory.mktemp("long-prompt")), start_timeout_s=240,
                        restart_backoff_s=0.5)  # fmt: skip
