@@ -305,13 +305,15 @@ def test_repeated_prompt_reports_cached_prompt_tokens(client, model):
 def test_disaggregated_equals_aggregated_equals_offline_on_8_prompts(cluster, offline_llm, tokenizer):
     decode_a, decode_b = decode_workers(cluster)
     prefill = cluster.services["prefill-0"]
-    for i, text in enumerate(PROMPTS):
-        prompt = tokenizer.encode(f"Request {i} of the parity test. {text}")
-        expected = offline(offline_llm, prompt, 12)
-        disaggregated, remote = call_decode(decode_a, prompt, prefill.grpc_endpoint, f"disagg-{i}")
-        aggregated, local = call_decode(decode_b, prompt, "", f"agg-{i}")
-        assert remote == len(prompt) and local == 0  # KV really came from the prefill worker
-        assert disaggregated == aggregated == expected.token_ids
+    with ThreadPoolExecutor(2) as pool:  # one request at a time per worker, the two workers at once
+        for i, text in enumerate(PROMPTS):
+            prompt = tokenizer.encode(f"Request {i} of the parity test. {text}")
+            disaggregated = pool.submit(call_decode, decode_a, prompt, prefill.grpc_endpoint, f"disagg-{i}")
+            aggregated = pool.submit(call_decode, decode_b, prompt, "", f"agg-{i}")
+            expected = offline(offline_llm, prompt, 12)
+            (disaggregated, remote), (aggregated, local) = disaggregated.result(), aggregated.result()
+            assert remote == len(prompt) and local == 0  # KV really came from the prefill worker
+            assert disaggregated == aggregated == expected.token_ids
 
 
 def test_seeded_sampling_is_the_same_disaggregated_aggregated_and_offline(cluster, offline_llm, tokenizer):
