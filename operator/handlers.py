@@ -268,6 +268,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                     mesh.eplb.imbalance_threshold,
                     plan_due,
                     time.time,
+                    max(status.get("placementVersion") or 0, status.get("pendingPlacementVersion") or 0),
                 )
                 if outcome.planned:
                     memo.last_plan_at = now

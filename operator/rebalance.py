@@ -45,8 +45,12 @@ def rebalance_step(
     threshold: float,
     plan_due: bool,
     clock: redis_keys.Clock,
+    last_version: int = 0,
 ) -> RebalanceOutcome:
-    """One timer tick of the two-phase apply (see ``moemesh.common.placement``)."""
+    """One timer tick of the two-phase apply (see ``moemesh.common.placement``). `last_version`:
+    the highest version the mesh has used (its status). A new version exceeds it too, so a Redis
+    that lost its keys never gets a version number that expert workers already hold with
+    another layout (they would take it as loaded and never mark it ready)."""
     store = PlacementStore(client, mesh)
     pending = store.pending()
     if pending is not None and not store.missing_workers(pending.version):
@@ -56,7 +60,7 @@ def rebalance_step(
     newest = store.get(latest_version) if latest_version else None
 
     def publish(phy2log: np.ndarray) -> int:
-        version = latest_version + 1
+        version = max(latest_version, last_version) + 1
         store.publish(
             Placement(
                 version=version,
