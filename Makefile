@@ -24,8 +24,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest workers, one test module each at a time (--dist loadfile keeps a module's cluster
+# fixtures in one process): much of the suite waits on subprocesses or runs one Python thread.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py
