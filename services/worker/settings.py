@@ -14,8 +14,8 @@ from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
 # = moemesh.expert.transport.TRANSPORTS (no torch import here)
 EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
-EXPERT_DIST_BACKENDS = ("gloo", "nccl")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.expert.dist_group.BACKENDS
+EXPERT_DIST_BACKENDS = ("gloo", "nccl")  # = moemesh.expert.dist_group.BACKENDS
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.engine.config's dtypes (no torch import here)
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_SCHEDULING = ("fixed", "confidence")
 MICRO_BATCH_OVERLAP = {"auto": None, "on": True, "off": False}  # --micro-batch-overlap -> ModelConfig
