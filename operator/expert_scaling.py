@@ -41,12 +41,18 @@ class ExpertScalingPolicy:
     max_step_down: int = 1
     scale_up_period_s: float = 60.0
     scale_down_period_s: float = 120.0
+    worker_multiple: int = 1  # workers come in whole nodes (EPLB's num_nodes): every count is a multiple
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}")
         if self.slots_per_worker < 1 or self.target_tokens_per_second <= 0:
             raise ValueError("slots_per_worker must be >= 1 and target_tokens_per_second > 0")
+        counts = {"min_workers": self.min_workers, "max_workers": self.max_workers,
+                  "max_step_up": self.max_step_up, "max_step_down": self.max_step_down}  # fmt: skip
+        uneven = [f"{name}={value}" for name, value in counts.items() if value % self.worker_multiple]
+        if uneven:
+            raise ValueError(f"{', '.join(uneven)} must be multiples of the {self.worker_multiple} nodes")
 
     def scaling_policy(self, num_experts: int) -> ScalingPolicy:
         return ScalingPolicy(
@@ -58,7 +64,11 @@ class ExpertScalingPolicy:
         )  # fmt: skip
 
     def min_workers_for_memory(self, num_experts: int) -> int:
-        return math.ceil(num_experts / self.slots_per_worker)
+        return self.whole_nodes(math.ceil(num_experts / self.slots_per_worker))
+
+    def whole_nodes(self, num_workers: int) -> int:
+        """``num_workers`` rounded up to a multiple of ``worker_multiple``."""
+        return -(-num_workers // self.worker_multiple) * self.worker_multiple
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,9 @@ def raw_workers(telemetry: ExpertTelemetry, policy: ExpertScalingPolicy, num_exp
     memory = policy.min_workers_for_memory(num_experts)
     if telemetry.num_ready == 0:
         return max(current, memory)  # nothing measured yet
-    return max(memory, math.ceil(telemetry.tokens_per_second / policy.target_tokens_per_second - 1e-9))
+    return max(
+        memory, policy.whole_nodes(math.ceil(telemetry.tokens_per_second / policy.target_tokens_per_second - 1e-9))
+    )
 
 
 def decide_expert_workers(

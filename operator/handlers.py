@@ -7,7 +7,8 @@ config); ``moemesh.operator.main`` registers them into kopf's default registry f
 - login: kopf's service-account or kubeconfig login; the same credentials serve ``KubeApi``;
 - create/update/resume: parse the spec, apply the children, record conditions. A bad spec only
   sets ``SpecValid=False`` with the reason (no retry loop, no half-applied children);
-- timer: autoscale router/prefill/decode from the registry, run the EPLB step, report failed
+- timer: autoscale router/prefill/decode from the registry, scale the expert workers (placement
+  first on the way down, StatefulSet first on the way up), run the EPLB step, report failed
   containers of the mesh's pods (PodsHealthy), record status; re-apply when a workload is missing;
 - child deleted: a Deployment, StatefulSet, Service, ConfigMap or PodDisruptionBudget of a mesh
   that someone deleted is re-applied at once (event handlers: kopf puts no finalizer on children);
@@ -30,6 +31,9 @@ from moemesh.common.registry import list_workers
 from moemesh.operator import manifests
 from moemesh.operator.autoscaler import SCALED_ROLES, AutoscalerState
 from moemesh.operator.config import OperatorConfig
+from moemesh.operator.eplb import EplbLayout
+from moemesh.operator.expert_scaling import PlaceOver, ScaleTo, layout_for
+from moemesh.operator.expert_step import ExpertScaleOutcome, expert_scale_step
 from moemesh.operator.kube import KubeApi, KubeError
 from moemesh.operator.pod_health import FORBIDDEN, PodsHealth, pods_health, with_pods_health
 from moemesh.operator.rebalance import delete_placements, rebalance_step
@@ -56,8 +60,9 @@ def _redis_target(mesh: MeshSpec, config: OperatorConfig) -> tuple[str, tuple[st
 async def _desired_replicas(mesh: MeshSpec, kube: KubeApi, name: str, namespace: str) -> dict[str, int]:
     """Spec replicas; with autoscaling on, the live replicas (the autoscaler owns them) within min/max."""
     replicas = {role: mesh.roles[role].replicas for role in manifests_roles()}
-    if mesh.autoscaling.enabled:
-        for role in SCALED_ROLES:
+    scaled = (*(SCALED_ROLES if mesh.autoscaling.enabled else ()), *(("expert",) if mesh.expert_autoscaling else ()))
+    if scaled:
+        for role in scaled:
             live = await kube.get(WORKLOAD_KIND[role], namespace, f"{name}-{role}")
             live_replicas = ((live or {}).get("spec") or {}).get("replicas")
             if isinstance(live_replicas, int):
@@ -256,6 +261,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             patch.status["roles"] = roles
             patch.status["selector"] = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=decode"
             layout = mesh.expert_layout
+            if mesh.expert_autoscaling is not None and "expert" in roles:
+                async with _mesh_lock(memo, namespace, name):
+                    layout = await _scale_experts(mesh, name, namespace, memo, client, workers, now, logger)
+                roles["expert"]["desiredReplicas"] = memo.expert_scaling.desired
+                patch.status["expertScaling"] = _expert_scaling_status(memo.expert_scaling)
             if mesh.eplb.enabled and layout is not None:
                 plan_due = now - memo.get("last_plan_at", -math.inf) >= mesh.eplb.interval_s
                 outcome = await asyncio.to_thread(
@@ -293,6 +303,40 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
 RECONCILE_CONDITIONS = ("SpecValid", "Applied", "Ready")
 TIMER_CONDITIONS = ("TelemetryAvailable", "PodsHealthy", "Ready")
+
+
+async def _scale_experts(
+    mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo, client: redis.Redis, workers: list, now: float,
+    logger: kopf.Logger,
+) -> EplbLayout:  # fmt: skip
+    """The expert-scaling step (spec.autoscaling.expert): resize the StatefulSet or have the EPLB
+    step place replicas over a new worker count; returns the layout the EPLB step plans for."""
+    policy = mesh.expert_autoscaling
+    live = await memo.kube.get("StatefulSet", namespace, f"{name}-expert")
+    replicas = int(((live or {}).get("spec") or {}).get("replicas", 0))
+    outcome, memo.expert_autoscaler = await asyncio.to_thread(
+        expert_scale_step, client, manifests.mesh_id(namespace, name), name,
+        memo.get("expert_autoscaler", AutoscalerState()), now, replicas, workers, policy,
+        mesh.model.num_moe_layers, mesh.model.num_experts, time.time,
+    )  # fmt: skip
+    memo.expert_scaling = outcome
+    if isinstance(outcome.action, ScaleTo):
+        logger.info(f"expert workers {replicas} -> {outcome.action.num_workers} "
+                    f"({outcome.telemetry.tokens_per_second:.0f} routed tokens/s)")  # fmt: skip
+        await memo.kube.patch("StatefulSet", namespace, f"{name}-expert",
+                              {"spec": {"replicas": outcome.action.num_workers}})  # fmt: skip
+    elif isinstance(outcome.action, PlaceOver):
+        logger.info(f"placing the expert replicas over {outcome.action.num_workers} workers")
+    return layout_for(outcome.placement_workers, mesh.model.num_experts, policy, mesh.model.num_expert_groups,
+                      mesh.eplb.num_nodes)  # fmt: skip
+
+
+def _expert_scaling_status(outcome: ExpertScaleOutcome) -> dict[str, Any]:
+    action = outcome.action
+    described = (f"scale to {action.num_workers}" if isinstance(action, ScaleTo)
+                 else f"place over {action.num_workers}" if isinstance(action, PlaceOver) else action.reason)  # fmt: skip
+    return {"desiredWorkers": outcome.desired, "placementWorkers": outcome.placement_workers,
+            "routedTokensPerSecond": round(outcome.telemetry.tokens_per_second, 1), "action": described}  # fmt: skip
 
 
 def _owner_mesh(meta: kopf.Meta) -> str | None:

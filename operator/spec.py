@@ -7,6 +7,7 @@ threshold in range) and fills defaults. ``SpecError`` carries a message for the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from moemesh.common.checkpoint_tensors import ModelConfigError
 from moemesh.common.memory_plan import MemoryPlanError, parse_size, plan_mesh
 from moemesh.operator.autoscaler import RatioGuard, ScalingPolicy
 from moemesh.operator.eplb import EplbError, EplbLayout
+from moemesh.operator.expert_scaling import ExpertScalingPolicy
 from moemesh.operator.model_source import ModelSource, SourceError, parse_source
 
 ROLES = ("router", "prefill", "decode", "expert")
@@ -102,6 +104,7 @@ class MeshSpec:
     image_pull_secrets: tuple[str, ...] = ()  # spec.imagePullSecrets[*].name, on every pod
     api_key_secret: tuple[str, str] | None = None  # spec.apiKeySecretRef (name, key): the router's API keys
     drain_s: float = 30.0  # spec.drainSeconds: SIGTERM -> in-flight requests may finish this long
+    expert_autoscaling: ExpertScalingPolicy | None = None  # spec.autoscaling.expert; None: spec.expert.replicas
 
     def policy_for(self, role: str) -> ScalingPolicy:
         role_spec = self.roles[role]
@@ -292,11 +295,45 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         drain_s=_float(spec, "drainSeconds", 30.0, "spec"),
     )
     try:
-        _ = mesh.expert_layout  # validates the expert/EPLB combination
+        layout = mesh.expert_layout  # validates the expert/EPLB combination
     except EplbError as exc:
         raise SpecError(f"spec.expert/spec.eplb/spec.model: {exc}") from exc
     _check_expert_memory(mesh)
+    expert_scaling = _section(scaling, "expert", path)
+    if expert_scaling.get("enabled", False):
+        mesh = dataclasses.replace(mesh, expert_autoscaling=_expert_scaling(expert_scaling, mesh, layout))
     return mesh
+
+
+def _expert_scaling(section: dict[str, Any], mesh: MeshSpec, layout: EplbLayout | None) -> ExpertScalingPolicy:
+    """spec.autoscaling.expert: the expert StatefulSet's size from routed-expert load and memory.
+    A pod holds the slots the spec gives it (``(numExperts + redundantSlots) / expert.replicas``,
+    what the memory plan checked), so each worker count n has n times that many slots. With
+    ``eplb.numNodes`` > 1 every count and step is a multiple of it (whole nodes)."""
+    path = "spec.autoscaling.expert"
+    if layout is None:
+        raise SpecError(
+            f"{path} needs expert workers: spec.expert.replicas >= 1 and spec.model numMoeLayers/numExperts"
+        )
+    if not mesh.eplb.enabled:
+        raise SpecError(f"{path} needs spec.eplb.enabled: the EPLB step publishes the placement for each worker count")
+    nodes = layout.num_nodes
+    role = mesh.roles["expert"]
+    target = _float(section, "targetTokensPerSecond", 50000.0, path)
+    try:
+        policy = ExpertScalingPolicy(
+            min_workers=role.min_replicas, max_workers=role.max_replicas, slots_per_worker=layout.slots_per_worker,
+            target_tokens_per_second=target, worker_multiple=nodes,
+            scale_up_window_s=_float(section, "scaleUpWindowSeconds", 0.0, path),
+            scale_down_window_s=_float(section, "scaleDownWindowSeconds", 300.0, path),
+            max_step_up=_int(section, "maxStepUp", 2 * nodes, path, minimum=1),
+            max_step_down=_int(section, "maxStepDown", nodes, path, minimum=1),
+            scale_up_period_s=_float(section, "scaleUpPeriodSeconds", 60.0, path),
+            scale_down_period_s=_float(section, "scaleDownPeriodSeconds", 120.0, path),
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SpecError(f"{path} (with spec.expert minReplicas/maxReplicas): {exc}") from exc
+    return policy
 
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.worker.settings.DTYPE_CHOICES

@@ -44,6 +44,7 @@ class WorkerRecord:
     num_blocks_used: int = 0
     ttft_p90_s: float = 0.0  # time to first token, p90 over the last window
     itl_p90_s: float = 0.0  # inter-token latency, p90 over the last window
+    num_experts_held: int = 0  # expert workers: (layer, expert) weights in memory over every loaded placement
     updated_at: float = 0.0  # unix seconds, set by heartbeat()
 
     def __post_init__(self) -> None:
@@ -56,7 +57,7 @@ class WorkerRecord:
             raise ValueError(f"endpoint must be 'host:port', got {self.endpoint!r}")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage must be within 0..1, got {self.kv_usage}")
-        for name in ("num_queued", "num_running", "num_blocks_total", "num_blocks_used"):
+        for name in ("num_queued", "num_running", "num_blocks_total", "num_blocks_used", "num_experts_held"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -13,6 +13,9 @@ placement naming it. The placement loop then polls Redis every `placement_poll_s
 - no placement stored at all while one is active here: Redis lost its keys (a restart without
   persistence). The worker keeps serving the active version, as the dispatchers keep using it,
   until a placement is stored again (the local launcher restores that version).
+Heartbeats carry the calls in flight and how many (layer, expert) weights the worker holds: 0 once
+a worker that the active placement leaves out has released its replicas (the operator's
+scale-down waits for that before the pod goes).
 Telemetry: every `load_window_s` the (layer, logical expert) token counts of the window go to
 Redis (`publish_expert_load`), the input of the operator's EPLB planner.
 Shutdown (SIGTERM / SIGINT): NOT_SERVING, leave the registry and the load index, stop the server
@@ -157,7 +160,8 @@ class ExpertWorker:
     async def _heartbeat(self) -> None:
         s = self.settings
         record = registry.WorkerRecord(worker_id=s.worker_id, role="expert", endpoint=s.endpoint, model=self.model_id,
-                                       num_running=self.servicer.num_in_flight)  # fmt: skip
+                                       num_running=self.servicer.num_in_flight,
+                                       num_experts_held=len(self.replicas.hosted_experts()))  # fmt: skip
         await asyncio.to_thread(registry.heartbeat, self.redis, s.mesh.mesh, record, s.mesh.heartbeat_ttl_s)
 
     async def _publish_load(self) -> None:

@@ -216,6 +216,10 @@ def test_gpu_cluster_puts_gpus_in_limits_and_enables_the_service_monitor(chart, 
         assert mesh["spec"][role]["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert "nvidia.com/gpu" not in mesh["spec"][role]["resources"]["requests"]
     assert mesh["spec"]["eplb"]["redundantSlots"] == 8
+    policy = parse_spec(mesh["spec"], default_image="unused").expert_autoscaling
+    assert (policy.min_workers, policy.max_workers, policy.slots_per_worker) == (4, 8, 10)  # (32 + 8) / 4
+    assert (policy.worker_multiple, policy.max_step_up, policy.max_step_down) == (2, 4, 2)  # whole nodes of 2
+    assert policy.target_tokens_per_second == 200000 and policy.scale_down_window_s == 900
     [monitor] = by_kind(docs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     [redis] = by_kind(docs, "StatefulSet")
@@ -387,7 +391,9 @@ SAMPLE = {
             "gpuMemory": "80GiB",
         },
         "decode": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}}},
-        "autoscaling": {"enabled": True, "prefillDecodeRatio": {"min": 0.5, "max": 2}},
+        "expert": {"replicas": 2, "maxReplicas": 4},
+        "autoscaling": {"enabled": True, "prefillDecodeRatio": {"min": 0.5, "max": 2},
+                        "expert": {"enabled": True, "targetTokensPerSecond": 5e4, "maxStepUp": 2}},
         "eplb": {"redundantSlots": 2, "imbalanceThreshold": 0.1},
         "redis": {"url": "redis://r:6379/0", "passwordSecretRef": {"name": "s"}},
         "telemetry": {"otlpEndpoint": "otel-collector.monitoring.svc:4317"},
@@ -410,6 +416,8 @@ def test_crd_schema_accepts_a_full_sample(crd):
         (("spec", "model", "gpuMemory"), "lots"),
         (("spec", "autoscaling", "maxStepUp"), 0),
         (("spec", "telemetry", "otlpEndpoint"), "two words"),
+        (("spec", "autoscaling", "expert", "targetTokensPerSecond"), 0),
+        (("spec", "autoscaling", "expert", "maxStepDown"), 0),
     ],
 )
 def test_crd_schema_rejects_invalid_samples(crd, path, value):
@@ -435,6 +443,8 @@ def test_crd_schema_requires_a_model(crd):
         {"mesh": {"enabled": True, "name": "Bad_Name"}},
         {"mesh": {"enabled": True, "decode": {"replicas": -1}}},
         {"mesh": {"enabled": True, "eplb": {"imbalanceThreshold": 2}}},
+        {"mesh": {"enabled": True, "autoscaling": {"expert": {"enabled": True, "targetTokens": 5}}}},
+        {"mesh": {"enabled": True, "autoscaling": {"expert": {"targetTokensPerSecond": 0}}}},
         {"image": {"services": {"repository": "x", "pullPolicy": "Sometimes"}}},
         {"unknownKey": 1},
     ],

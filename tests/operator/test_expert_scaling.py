@@ -20,6 +20,7 @@ from moemesh.operator.expert_scaling import (
     layout_for,
     next_action,
 )
+from moemesh.operator.spec import SpecError, parse_spec
 
 NUM_EXPERTS = 16
 POLICY = ExpertScalingPolicy(min_workers=1, max_workers=8, slots_per_worker=8, target_tokens_per_second=1000.0,
@@ -127,3 +128,48 @@ def test_load_that_oscillates_inside_the_down_window_does_not_flap():
     actions = run(mesh, lambda t: 3900.0 if int(t) % 20 < 10 else 1000.0, until=240)
     assert [a for _, _, a, _, _ in actions if not isinstance(a, Hold)] == []
     assert mesh.replicas == 4
+
+
+SCALED_MESH = {
+    "model": {"name": "m", "source": {"hostPath": {"path": "/m"}}, "numMoeLayers": 2, "numExperts": 16},
+    "expert": {"replicas": 2, "maxReplicas": 6},
+    "eplb": {"redundantSlots": 4},
+    "autoscaling": {"expert": {"enabled": True, "targetTokensPerSecond": 1000}},
+}
+
+
+def scaled_spec(**changes):
+    spec = {**SCALED_MESH, **changes}
+    return parse_spec(spec, default_image="unused")
+
+
+def test_each_pod_keeps_the_slots_the_spec_gives_it_and_memory_sets_the_floor():
+    policy = scaled_spec().expert_autoscaling
+    assert (policy.min_workers, policy.max_workers, policy.slots_per_worker) == (2, 6, 10)  # (16 + 4) / 2
+    assert policy.min_workers_for_memory(16) == 2
+    assert layout_for(3, 16, policy).num_slots == 30
+    assert scaled_spec(autoscaling={}).expert_autoscaling is None
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"eplb": {"enabled": False}}, "needs spec.eplb.enabled"),
+        ({"expert": {"replicas": 0}}, "needs expert workers"),
+        ({"autoscaling": {"expert": {"enabled": True, "targetTokensPerSecond": 0}}}, "target_tokens_per_second"),
+        ({"eplb": {"redundantSlots": 4, "numNodes": 2}, "expert": {"replicas": 2, "maxReplicas": 5}},
+         "max_workers=5 must be multiples of the 2 nodes"),  # fmt: skip
+    ],
+)
+def test_expert_autoscaling_that_cannot_work_is_a_spec_error(changes, message):
+    with pytest.raises(SpecError, match=message):
+        scaled_spec(**changes)
+
+
+def test_whole_nodes_round_every_recommendation_up():
+    policy = ExpertScalingPolicy(min_workers=2, max_workers=8, slots_per_worker=4, target_tokens_per_second=100.0,
+                                 worker_multiple=2, max_step_up=4, max_step_down=2)  # fmt: skip
+    busy = ExpertTelemetry(num_ready=2, num_pending=0, tokens_per_second=250.0)  # 2.5 workers' worth
+    desired, _ = decide_expert_workers(AutoscalerState(), 0.0, 2, busy, policy, num_experts=8)
+    assert desired == 4
+    assert policy.min_workers_for_memory(12) == 4  # 3 workers' memory, a whole node more

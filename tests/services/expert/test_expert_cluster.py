@@ -21,6 +21,7 @@ import pytest
 from moemesh.common.placement import PlacementError, PlacementStore
 from moemesh.common.placement_apply import apply_placement, even_placement
 from moemesh.common.redis_client import connect
+from moemesh.common.registry import list_workers
 from moemesh.engine.sampling_params import SamplingParams
 from tests.engine.moe.models import make_prompts
 from tests.services.cluster_helpers import WAIT_TIMEOUT_S, generate, wait_until
@@ -205,6 +206,12 @@ def test_three_live_rebalances_under_load_fail_nothing_and_release_old_replicas(
         return True
 
     wait_until(released, message="old replicas released")
+
+    def heartbeats_count_the_weights_held():  # what the operator's scale-down waits on (0: drained)
+        held = {r.worker_id: r.num_experts_held for r in list_workers(client, MESH, role="expert")}
+        return held == {service.name: len(status(service).hosted_experts) for service in experts(cluster)}
+
+    wait_until(heartbeats_count_the_weights_held, message="heartbeats with the weights held")
 
 
 def test_bad_placements_are_rejected_and_the_active_one_stays(cluster, client, llm, prompts, shape, tmp_path):
