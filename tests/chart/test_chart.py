@@ -392,8 +392,11 @@ SAMPLE = {
         },
         "decode": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}}},
         "expert": {"replicas": 2, "maxReplicas": 4},
-        "autoscaling": {"enabled": True, "prefillDecodeRatio": {"min": 0.5, "max": 2},
-                        "expert": {"enabled": True, "targetTokensPerSecond": 5e4, "maxStepUp": 2}},
+        "autoscaling": {
+            "enabled": True,
+            "prefillDecodeRatio": {"min": 0.5, "max": 2},
+            "expert": {"enabled": True, "targetTokensPerSecond": 5e4, "maxStepUp": 2},
+        },
         "eplb": {"redundantSlots": 2, "imbalanceThreshold": 0.1},
         "redis": {"url": "redis://r:6379/0", "passwordSecretRef": {"name": "s"}},
         "telemetry": {"otlpEndpoint": "otel-collector.monitoring.svc:4317"},

@@ -157,8 +157,10 @@ def test_each_pod_keeps_the_slots_the_spec_gives_it_and_memory_sets_the_floor():
         ({"eplb": {"enabled": False}}, "needs spec.eplb.enabled"),
         ({"expert": {"replicas": 0}}, "needs expert workers"),
         ({"autoscaling": {"expert": {"enabled": True, "targetTokensPerSecond": 0}}}, "target_tokens_per_second"),
-        ({"eplb": {"redundantSlots": 4, "numNodes": 2}, "expert": {"replicas": 2, "maxReplicas": 5}},
-         "max_workers=5 must be multiples of the 2 nodes"),  # fmt: skip
+        (
+            {"eplb": {"redundantSlots": 4, "numNodes": 2}, "expert": {"replicas": 2, "maxReplicas": 5}},
+            "max_workers=5 must be multiples of the 2 nodes",
+        ),  # fmt: skip
     ],
 )
 def test_expert_autoscaling_that_cannot_work_is_a_spec_error(changes, message):
