@@ -17,7 +17,8 @@ experts (grouping, serialization, transport, the worker's gRPC/asyncio path, com
 = (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative);
 "x local tok/s" = this row's tokens/s over the local row's. With ping-pong overlap on, a MoE
 layer's remote wait overlaps the other micro-batch's attention, so the per-layer columns are
-left out ("-"): step time and tokens/s are what overlap changes. "floor" = median round trip of an
+left out ("-"): step time and tokens/s are what overlap changes. "auto" (the serving default) times
+the decode rounds both ways for its first rounds and keeps the faster; the cell says which. "floor" = median round trip of an
 empty request over that transport (the fixed cost each layer pays per worker, in parallel across
 workers);
 "waiting" = the part of MoE spent blocked on replies (expert compute + transport + the worker's
@@ -45,6 +46,7 @@ from common import print_table  # noqa: E402
 from moemesh import LLM, SamplingParams  # noqa: E402
 from moemesh.common.placement import PlacementStore  # noqa: E402
 from moemesh.common.redis_client import connect  # noqa: E402
+from moemesh.engine.overlap_tuner import OverlapTuner, round_shape  # noqa: E402
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
 from moemesh.expert.transport import TRANSPORTS, ExpertCallError, make_transport  # noqa: E402
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
@@ -170,9 +172,9 @@ def main() -> None:
     p.add_argument(
         "--overlap",
         nargs="+",
-        default=["off", "on"],
-        choices=["off", "on"],
-        help="ping-pong micro-batch overlap of the remote rows",
+        default=["off", "on", "auto"],
+        choices=["off", "on", "auto"],
+        help="ping-pong micro-batch overlap of the remote rows (auto: measured per round shape, the default)",
     )
     p.add_argument("--requests", type=int, default=32, help="the decode batch (tokens per step)")
     p.add_argument("--prompt-tokens", type=int, default=8)
@@ -220,8 +222,12 @@ def main() -> None:
                     waits = WaitTimed(make_transport(kind, endpoints))
                     remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
                     model.set_expert_executor(Timed(remote))
-                    llm.engine.runner.micro_batch_overlap = overlap == "on"
+                    llm.engine.runner.micro_batch_overlap = {"on": True, "off": False, "auto": None}[overlap]
+                    llm.engine.runner.overlap_tuner = OverlapTuner()
                     result = run(llm, prompts, args.new_tokens, waits, remote)
+                    if overlap == "auto":  # what it settled on for the all-decode rounds
+                        chosen = llm.engine.runner.overlap_tuner.chosen().get(round_shape(args.requests, True))
+                        overlap = f"auto ({'on' if chosen else 'off' if chosen is not None else '?'})"
                     outputs, step, moe, wait, tokens = result[:5]
                     moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(prompts, args))
                     overhead = result[5] / num_moe_layers

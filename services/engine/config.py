@@ -25,8 +25,9 @@ class ModelConfig:
     seed: int = 0
     load_routed_experts: bool = True  # False: MoE experts run elsewhere (remote executor), skip their weights
     # Ping-pong micro-batch overlap of MoE models: a round of >= 2 requests runs as two micro-batches
-    # so one's attention runs while the other's routed experts run. None: on when the expert
-    # executor runs them asynchronously (remote experts); True / False: always / never.
+    # so one's attention runs while the other's routed experts run. None: when the expert
+    # executor runs them asynchronously (remote experts), on for each round shape where it is
+    # measured faster (engine/overlap_tuner.py); True / False: always / never.
     micro_batch_overlap: bool | None = None
     # A GGUF file's quantized weights. "gguf": they stay quantized in memory
     # (layers/quantized_linear.py); "none": dequantized to `dtype` at load; "auto": "gguf" where a

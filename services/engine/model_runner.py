@@ -5,8 +5,9 @@ Batch order: requests with one query token (decode) first, then prefill chunks. 
 its own copy of each request (token ids, block ids) updated from the scheduler's deltas and the
 tokens it samples.
 
-Ping-pong micro-batch overlap (`ModelConfig.micro_batch_overlap`; by default on when the MoE
-model's experts run remotely): a round of >= 2 requests is cut into two runs of whole requests,
+Ping-pong micro-batch overlap (`ModelConfig.micro_batch_overlap`; by default, when the MoE
+model's experts run remotely, on for the round shapes where `overlap_tuner.py` measures it
+faster than one batch): a round of >= 2 requests is cut into two runs of whole requests,
 A = the first k in batch order, B = the rest, with about equal tokens, each with attention
 metadata of its own; the model interleaves them (models/decoder_model.py) and the hidden states
 come back in batch order. Per layer A's attention runs before B's, so a request of B may read KV
@@ -28,6 +29,7 @@ from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.loader.build import DTYPES
 from moemesh.engine.logits_processors import LogitsAdjustments
 from moemesh.engine.models.decoder_model import MicroBatch
+from moemesh.engine.overlap_tuner import OverlapTuner, round_shape
 from moemesh.engine.request import Logprob
 from moemesh.engine.sampler import Sampler, SamplingTensors
 from moemesh.engine.sampling_params import SamplingParams
@@ -116,7 +118,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.keep_hidden_states = False  # set by the engine when its proposer drafts from them
         self.structured_outputs = NullStructuredOutputs()  # the engine installs xgrammar's when it has a tokenizer
-        self.micro_batch_overlap = model_config.micro_batch_overlap  # None: when the experts run remotely
+        self.micro_batch_overlap = model_config.micro_batch_overlap  # None: remote experts, where it pays
+        self.overlap_tuner = OverlapTuner()  # what "where it pays" means: measured per round shape
 
     # -- state updates from the scheduler ------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -191,13 +194,24 @@ class ModelRunner:
             block_tables=self._tensor(block_tables, torch.int32),
             num_decode_reqs=int(np.count_nonzero(num_new == 1)),
         )
-        split = None
-        if self._overlap_micro_batches():
+        split, timed = None, None
+        overlap = self._overlap_micro_batches()
+        if overlap is not False:
             split = micro_batch_split(num_new, context_lens, block_tables, slot_mapping, self.block_size)
+        if split is not None and overlap is self.overlap_tuner:
+            shape = round_shape(total, meta.num_decode_reqs == len(order))
+            if not self.overlap_tuner.use_overlap(shape):
+                split = None
+            timed = shape if self.overlap_tuner.measuring(shape) else None
+        started = self.overlap_tuner.clock()
         if split is None:
             hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta)  # [num_tokens, hidden]
         else:
             hidden = self._forward_micro_batches(split, token_ids, positions, cu, meta)  # [num_tokens, hidden]
+        if timed is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.overlap_tuner.record(timed, split is not None, self.overlap_tuner.clock() - started)
         for state, n in zip(states, num_new):
             state.num_computed_tokens += int(n)
         output = ModelRunnerOutput()
@@ -216,11 +230,12 @@ class ModelRunner:
                          hidden, cu[1:][spec_rows], output)  # fmt: skip
         return output
 
-    def _overlap_micro_batches(self) -> bool:
+    def _overlap_micro_batches(self) -> bool | OverlapTuner:
+        """False / True: never / always split; the tuner: auto with remote experts (it decides)."""
         if not hasattr(self.model, "forward_micro_batches"):  # a dense model: nothing to overlap
             return False
         if self.micro_batch_overlap is None:
-            return self.model.experts_overlap_submit
+            return self.overlap_tuner if self.model.experts_overlap_submit else False
         return self.micro_batch_overlap
 
     def _forward_micro_batches(self, k: int, token_ids, positions, cu: np.ndarray, meta: AttentionMetadata):

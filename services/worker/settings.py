@@ -231,7 +231,7 @@ def add_worker_arguments(parser) -> None:
         default="auto",
         choices=sorted(MICRO_BATCH_OVERLAP),
         help="MoE models: run each round as two micro-batches so one's attention overlaps the "
-        "other's routed experts (auto: on with --remote-experts)",
+        "other's routed experts (auto: with --remote-experts, on where measured faster)",
     )
     worker.add_argument(
         "--min-remote-prefill-tokens",

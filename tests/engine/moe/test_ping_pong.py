@@ -13,6 +13,7 @@ import pytest
 from moemesh import LLM, SamplingParams
 from moemesh.engine.layers.expert_executor import ExpertHandle, LocalExpertExecutor
 from moemesh.engine.model_runner import micro_batch_split
+from moemesh.engine.overlap_tuner import OverlapTuner
 
 from ..oracle_helpers import max_rel_error
 from .models import BUILDERS, MAX_NEW, hf_greedy, make_prompts, save_tiny
@@ -143,7 +144,7 @@ def _gated_engine(path: str, block: bool, **kw) -> tuple[LLM, GatedExecutor]:
 
 def test_attention_of_micro_batch_b_runs_before_the_wait_on_a_in_every_moe_layer(tiny):
     path, prompts, expected = tiny
-    llm, executor = _gated_engine(path, block=True)  # micro_batch_overlap None: on, the executor overlaps
+    llm, executor = _gated_engine(path, block=True, micro_batch_overlap=True)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     num_moe_layers = len(llm.engine.model.moe_layer_ids)
     assert len(executor.released) >= MAX_NEW * num_moe_layers  # micro-batch A of every MoE layer and round
@@ -156,3 +157,64 @@ def test_without_overlap_every_wait_comes_before_any_other_attention(tiny):
     llm, executor = _gated_engine(path, block=False, micro_batch_overlap=False)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert executor.released and not any(executor.released)  # the blocking fake would deadlock here
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostedExecutor(LocalExpertExecutor):
+    """Local experts that cost time on a fake clock, like remote ones: each submit costs
+    `submit_s` (the transport's fixed cost per call), and a call's result is ready
+    `per_token_s` x its tokens after its submit (the expert side computing while the caller goes
+    on); each attention call costs `per_token_s` x its tokens (a pre-hook)."""
+
+    overlaps_submit = True
+
+    def __init__(self, experts, clock: FakeClock, submit_s: float, per_token_s: float):
+        super().__init__(experts)
+        self.clock, self.submit_s, self.per_token_s = clock, submit_s, per_token_s
+
+    def submit(self, layer, hidden_states, topk_ids, topk_weights):
+        self.clock.now += self.submit_s
+        handle = _Gated(layer, super().forward(layer, hidden_states, topk_ids, topk_weights))
+        handle.ready_at = self.clock.now + self.per_token_s * hidden_states.shape[0]
+        return handle
+
+    def wait(self, handle):
+        self.clock.now = max(self.clock.now, handle.ready_at)
+        return handle.output
+
+    def forward(self, layer, hidden_states, topk_ids, topk_weights):
+        return self.wait(self.submit(layer, hidden_states, topk_ids, topk_weights))
+
+
+@pytest.mark.parametrize("submit_s, overlap_pays", [(0.0, True), (0.05, False)])
+def test_auto_keeps_ping_pong_only_for_round_shapes_where_it_measures_faster(tiny, submit_s, overlap_pays):
+    """Attention as costly as the experts and no fixed cost per call: one micro-batch's attention
+    hides the other's experts (1.5 x vs 2 x the attention). A fixed cost per call far above the
+    compute: two micro-batches pay it twice per layer and lose."""
+    path, prompts, expected = tiny
+    llm = _engine(path)  # micro_batch_overlap None: auto
+    clock, runner = FakeClock(), llm.engine.runner
+    runner.overlap_tuner = OverlapTuner(num_trials=2, reprobe_every=1000, clock=clock)
+    model = llm.engine.model
+    executor = CostedExecutor([moe.experts for moe in model.moe_layers()], clock, submit_s, per_token_s=0.001)
+    model.set_expert_executor(executor)
+    for index in model.moe_layer_ids:
+        model.model.layers[index].self_attn.register_forward_pre_hook(
+            lambda module, args: setattr(clock, "now", clock.now + 0.001 * args[0].numel())
+        )
+    _, splits = _recording(llm)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    decode = (True, 3)  # the rounds where all 8 requests decode
+    assert runner.overlap_tuner.chosen()[decode] is overlap_pays
+    num_decode_splits = sum(1 for s in splits if s == [4, 4])
+    if overlap_pays:
+        assert num_decode_splits >= MAX_NEW - 1 - 2  # every decode round but the two measured whole
+    else:
+        assert num_decode_splits == 2  # the measured rounds only
