@@ -15,8 +15,8 @@ First a fault-free pass of `--baseline` seconds (0: none), then the chaos pass. 
 pass: requests, migrations, 429s and client-visible failures, greedy outputs that differ from
 the offline engine's (the fault-free reference), then p50/p99 TTFT and inter-token latency of
 the fault-free pass and of the chaos pass's requests that started within `--recovery` seconds
-after a kill vs the others. The same harness (`run_chaos`) runs in tests/services/test_chaos.py
-on a shorter schedule.
+after a kill vs the others. The same harness (`run_chaos`, `seeded_schedule`, `num_kills`) runs
+in tests/services/test_chaos.py on this default schedule, without the fault-free pass.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def metric_total(metrics_url: str, name: str) -> float:
 
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def num_kills(duration_s: float, kill_every_s: float) -> int:
+    """How many kills `run_chaos` makes: at `kill_every_s`, 2 * `kill_every_s`, ... < `duration_s`."""
+    return math.ceil(duration_s / kill_every_s) - 1
 
 
 def seeded_schedule(seed: int, num_kills: int, decode_ids: list[str], expert_ids: list[str] = (),
@@ -268,8 +273,8 @@ def main() -> None:
                        expert_args=("--dtype", "float32"))  # fmt: skip
     with LocalCluster(spec) as cluster:
         decode_ids = [name for name, s in cluster.services.items() if s.role == "decode"]
-        num_kills = math.ceil(args.duration / args.kill_every) - 1  # at kill_every, 2 * kill_every, ... < duration
-        schedule = seeded_schedule(args.seed, num_kills, decode_ids, cluster.expert_ids())
+        kills = num_kills(args.duration, args.kill_every)
+        schedule = seeded_schedule(args.seed, kills, decode_ids, cluster.expert_ids())
         print(f"{args.model}: 1 prefill, {args.decode} decode, {num_experts} expert workers; {args.streams} streams, "
               f"max_tokens {args.max_tokens} (logs: {logs})")  # fmt: skip
         baseline = None

@@ -1,19 +1,19 @@
 """Chaos on a local MoE cluster, supervised like `moemesh up`: its own Redis, a tiny random
 DeepSeek-V3 with a character tokenizer (`save_tiny_moe`), 1 prefill + 2 decode workers whose
-routed experts run on 2 expert workers that each hold a replica of every expert. Greedy streams
-run while benchmarks/chaos.py's seeded schedule SIGKILLs a decode worker, the prefill worker, an
-expert worker and Redis in turn, on a shorter schedule than the issue's 64 streams for 60 s with
-a kill every 10 s (that one is `python benchmarks/chaos.py --model tiny-moe`; this module must
-fit ~75 s of CI on two cores). Every request completes with the offline engine's output (local
-experts), every process comes back and the restarted expert worker serves the placement again,
-and nothing leaks: no KV block stays used, the registry and the prefix index name only live
-workers."""
+routed experts run on 2 expert workers that each hold a replica of every expert. The issue's
+schedule, as `python benchmarks/chaos.py --model tiny-moe` runs it (same harness): 64 greedy
+streams for 60 s while a seeded schedule SIGKILLs one process every 10 s, a decode worker, the
+prefill worker, an expert worker, Redis, then the other decode worker. Every request completes
+with the offline engine's output (local experts), every process comes back and the restarted
+expert worker serves the placement again, and nothing leaks: no KV block stays used, the
+registry and the prefix index name only live workers. About 75 s, most of it the 60 s of
+traffic."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.chaos import PROMPTS, metric_total, run_chaos, save_tiny_moe, seeded_schedule
+from benchmarks.chaos import PROMPTS, metric_total, num_kills, report, run_chaos, save_tiny_moe, seeded_schedule
 from moemesh.common import registry
 from moemesh.common.prefix_index import PrefixIndex
 from moemesh.common.redis_client import connect
@@ -24,7 +24,7 @@ from tests.services.expert.expert_helpers import status
 
 MESH = "chaos"
 MAX_TOKENS = 16
-NUM_STREAMS, DURATION_S, KILL_EVERY_S = 64, 26.0, 5.0  # kills at 5, 10, 15, 20 s; then 6 s more traffic
+NUM_STREAMS, DURATION_S, KILL_EVERY_S = 64, 60.0, 10.0  # kills at 10, 20, 30, 40, 50 s; then 10 s more traffic
 MAX_MODEL_LEN = "256"
 # float32 like the oracle; remote prefill from 8 uncached tokens on (every prompt), fast placement polls
 WORKER_ARGS = ("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", MAX_MODEL_LEN,
@@ -65,17 +65,19 @@ def test_streams_survive_a_decode_prefill_and_expert_worker_and_redis_being_kill
     expected = expected_outputs(model)
     assert len(set(expected.values())) == len(PROMPTS)  # the outputs tell the prompts apart
     decode_ids = [name for name, s in cluster.services.items() if s.role == "decode"]
-    schedule = seeded_schedule(0, 4, decode_ids, cluster.expert_ids())
-    decode, prefill, expert, redis = schedule
+    schedule = seeded_schedule(0, num_kills(DURATION_S, KILL_EVERY_S), decode_ids, cluster.expert_ids())
+    decode, prefill, expert, redis, other_decode = schedule
     assert decode in decode_ids and prefill == "prefill-0" and expert in cluster.expert_ids() and redis == "redis"
+    assert other_decode in decode_ids and other_decode != decode  # seed 0: each decode worker once
     assert cluster.placement.replica_counts.min() == 2  # every expert also on the other expert worker
 
     result = run_chaos(cluster, schedule, num_streams=NUM_STREAMS, duration_s=DURATION_S, kill_every_s=KILL_EVERY_S,
                        max_tokens=MAX_TOKENS)  # fmt: skip
+    report("chaos", result, expected)  # requests, migrations, 429s, failures, kills: shown when it fails
     assert [victim for _, victim in result.kills] == schedule
     assert [s.error for s in result.samples if s.error] == [] and len(result.samples) > 2 * NUM_STREAMS  # no 429 either
     assert result.mismatches(expected) == []
-    for name in (decode, prefill, expert):
+    for name in (decode, prefill, expert, other_decode):
         assert any(line.startswith(f"{name} restarted") for line in result.restarts), result.restarts
     assert any(line.startswith("redis exited") for line in result.restarts), result.restarts
     restored = f"placement {cluster.placement.version} restored (Redis had lost it)"
