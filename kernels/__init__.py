@@ -9,6 +9,7 @@ elsewhere. Importing this package never requires a GPU.
 from moemesh.kernels.dispatch import (
     fused_add_rms_norm,
     fused_moe,
+    grouped_moe,
     grouped_topk,
     mla_decode_attention,
     paged_attention,
@@ -23,6 +24,7 @@ from moemesh.kernels.dispatch import (
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
+    "grouped_moe",
     "grouped_topk",
     "mla_decode_attention",
     "paged_attention",

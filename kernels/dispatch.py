@@ -14,7 +14,7 @@ from moemesh.kernels.fp8_moe import fp8_fused_moe_triton, fp8_fused_moe_w8a16_re
 from moemesh.kernels.gating import grouped_topk_ref, grouped_topk_triton, topk_softmax_ref, topk_softmax_triton
 from moemesh.kernels.kv_store import store_kv_cache_ref, store_kv_cache_triton
 from moemesh.kernels.mla import mla_decode_attention_ref, mla_decode_attention_triton
-from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton
+from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton, grouped_moe_ref
 from moemesh.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from moemesh.kernels.paged_attention import (
     paged_decode_attention_ref,
@@ -126,6 +126,23 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
         return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
     # the routing tensors are tiny: made dense here rather than rejected by the launcher
     return fused_moe_triton(hidden_states, w13, w2, topk_weights.contiguous(), topk_ids.contiguous())
+
+
+def grouped_moe(hidden_states, w13, w2, row_ids, experts, sizes, weights):
+    """Entries already grouped by expert (an expert worker's request): per row of hidden_states,
+    the float32 sum of weight * E(x) over its entries, in entry order. Reference: one matmul pair
+    per group on the gathered rows; Triton: the rows gathered once, fused_moe with one slot each,
+    then the weighted rows added (the same sums)."""
+    if not _use_triton(hidden_states):
+        return grouped_moe_ref(hidden_states, w13, w2, row_ids, experts, sizes, weights)
+    ids = torch.repeat_interleave(
+        torch.tensor(experts, device=row_ids.device), torch.tensor(sizes, device=row_ids.device)
+    )
+    rows = hidden_states.index_select(0, row_ids)  # [num_entries, hidden]
+    ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+    y = fused_moe(rows, w13, w2, ones, ids[:, None])  # [num_entries, hidden]
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    return out.index_add_(0, row_ids, y.float() * weights[:, None])
 
 
 def fp8_linear(

@@ -50,25 +50,42 @@ def fused_moe_ref(
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Tokens grouped by expert (stable sort of the entries), one matmul pair per active expert,
     weighted rows index_add-ed into an fp32 output."""
-    num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
-    inter = w13.shape[1] // 2
     flat_ids = topk_ids.reshape(-1).long()  # [num_tokens * top_k]
     order = torch.argsort(flat_ids, stable=True)  # skipped entries (< 0) first, then by expert
-    counts = torch.bincount(flat_ids.clamp(min=-1) + 1)  # [1 + max id + 1]; bin 0 = skipped
-    ends = counts.cumsum(0).tolist()
-    flat_weights = topk_weights.reshape(-1).float()  # [num_tokens * top_k]
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=hidden_states.device)
-    for expert, (start, end) in enumerate(zip(ends[:-1], ends[1:])):
-        if start == end:
+    counts = torch.bincount(flat_ids.clamp(min=-1) + 1, minlength=1).tolist()  # [1 + max id + 1]; bin 0 = skipped
+    experts = [e for e, n in enumerate(counts[1:]) if n]
+    sizes = [counts[e + 1] for e in experts]
+    active = order[counts[0] :]  # [num_active_entries], grouped by expert
+    weights = topk_weights.reshape(-1).float()[active]
+    out = grouped_moe_ref(hidden_states, w13, w2, active // top_k, experts, sizes, weights)
+    return out.to(hidden_states.dtype)
+
+
+def grouped_moe_ref(
+    hidden_states: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    row_ids: torch.Tensor,  # [num_entries] int64 rows of hidden_states, grouped by expert
+    experts: list[int],  # the expert of each group
+    sizes: list[int],  # the entries of each group
+    weights: torch.Tensor,  # [num_entries] float32
+) -> torch.Tensor:  # [num_tokens, hidden] float32: per row, sum of w * E(x) over its entries, in entry order
+    """The loop of `fused_moe_ref` over entries already grouped (an expert worker's request is):
+    one matmul pair per group on the gathered rows, the weighted outputs added in float32."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    start = 0
+    for expert, size in zip(experts, sizes):
+        if not size:
             continue
-        entries = order[start:end]  # [n]
-        tokens = entries // top_k
-        gate_up = hidden_states[tokens] @ w13[expert].t()  # [n, 2 * intermediate]
+        rows = row_ids[start : start + size]  # [n]
+        gate_up = hidden_states[rows] @ w13[expert].t()  # [n, 2 * intermediate]
         act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(hidden_states.dtype)
         y = act @ w2[expert].t()  # [n, hidden]
-        out.index_add_(0, tokens, y.float() * flat_weights[entries, None])
-    return out.to(hidden_states.dtype)
+        out.index_add_(0, rows, y.float() * weights[start : start + size, None])
+        start += size
+    return out
 
 
 if HAS_TRITON:

@@ -18,6 +18,7 @@ import torch
 from moemesh.common.placement import Placement, PlacementError
 from moemesh.engine.layers.expert_executor import run_experts
 from moemesh.expert.weights import ExpertTensors, LayerExpert, MoEShape
+from moemesh.kernels import grouped_moe
 
 
 class HostedVersion:
@@ -80,10 +81,15 @@ class HostedVersion:
         row_ids: torch.Tensor,  # [num_entries] int64 rows of x, grouped by replica
         local: torch.Tensor,  # [num_entries] int64 local replica of each entry
         weights: torch.Tensor,  # [num_entries] float32 gate weights
+        groups: tuple[list[int], list[int]],  # (local replica, entries) of each group, in entry order
     ) -> torch.Tensor:  # [num_tokens, hidden] float32: per token, sum of w * E(x) over its entries here
         """The worker-side combine: the weighted outputs are added per token in float32, entries in
         request order (grouped by replica, tokens ascending within a replica: the local kernel's
-        order restricted to this worker's experts)."""
+        order restricted to this worker's experts). Each group's rows go through its replica's
+        matmuls straight from x (kernels.grouped_moe): no per-entry copy of the rows."""
+        if self.fp8_block is None:
+            w13, w2 = self.stacks[layer]
+            return grouped_moe(x, w13, w2, row_ids, *groups, weights)
         rows = x.index_select(0, row_ids)  # [num_entries, hidden]
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         y = run_experts(rows, self.stacks[layer], self.fp8_block, ones, local[:, None])  # [num_entries, hidden]

@@ -48,6 +48,7 @@ class ParsedCall:
     row_ids: torch.Tensor  # [num_entries] int64
     local: torch.Tensor  # [num_entries] int64 local replica per entry
     local_counts: np.ndarray  # [num_local] entries per local replica
+    groups: tuple[list[int], list[int]]  # (local replica, entries) of each request group, in order
     weights: torch.Tensor | None  # [num_entries] float32 gate weights: combine here; None: one row per entry
 
 
@@ -103,7 +104,7 @@ def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> Pa
                             f"{list(weights.shape)}")  # fmt: skip
     local_counts = np.bincount(local, weights=sizes, minlength=hosted.slots.size).astype(np.int64)
     return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), torch.from_numpy(np.repeat(local, sizes)),
-                      local_counts, weights)  # fmt: skip
+                      local_counts, (local.tolist(), sizes.tolist()), weights)  # fmt: skip
 
 
 def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
@@ -118,7 +119,7 @@ def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
         x = call.x.to(device=w13.device, dtype=hosted.activation_dtype(call.layer, call.x.dtype))
         local, row_ids = call.local.to(w13.device), call.row_ids.to(w13.device)
         if combined:  # [num_tokens, hidden] float32
-            y = hosted.run_combined(call.layer, x, row_ids, local, call.weights.to(w13.device)).cpu()
+            y = hosted.run_combined(call.layer, x, row_ids, local, call.weights.to(w13.device), call.groups).cpu()
         else:  # [num_entries, hidden]
             y = hosted.run(call.layer, x, row_ids, local).to(device="cpu", dtype=call.x.dtype)
     return expert_pb2.RunExpertsResponse(outputs=tensor_to_proto(y), compute_s=time.perf_counter() - started)

@@ -75,3 +75,45 @@ def test_triton_fused_moe_rejects_mismatched_weights():
         fused_moe_triton(x, w13.bfloat16(), w2, topk_weights, topk_ids)
     with pytest.raises(ValueError, match="topk_weights must be one of"):
         fused_moe_triton(x, w13, w2, topk_weights.double(), topk_ids)
+
+
+def _worker_groups(topk_ids, experts_here):
+    """An expert worker's request: the entries of `experts_here` grouped by expert (ascending),
+    tokens ascending within a group, as (row_ids, experts, sizes, entry positions)."""
+    rows, experts, sizes, positions = [], [], [], []
+    for e in experts_here:
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        if tokens.numel():
+            rows.append(tokens), experts.append(e), sizes.append(tokens.numel())
+            positions.append(tokens * topk_ids.shape[1] + slots)
+    return torch.cat(rows), experts, sizes, torch.cat(positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_grouped_moe_matches_the_float64_oracle_over_the_worker_experts(dtype, triton_path, monkeypatch):
+    """The expert worker's combine: per token the weighted sum over only this worker's experts."""
+    from moemesh.kernels import dispatch
+
+    if triton_path:
+        if not dispatch.HAS_TRITON:
+            pytest.skip("triton is not installed")
+        monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)  # CPU tensors under TRITON_INTERPRET
+    x, w13, w2, topk_weights, topk_ids = _inputs(dtype)
+    here = [0, 2, 4]
+    row_ids, experts, sizes, positions = _worker_groups(topk_ids, here)
+    weights = topk_weights.reshape(-1)[positions]
+    out = dispatch.grouped_moe(x, w13, w2, row_ids, experts, sizes, weights)
+    mine = torch.where(torch.isin(topk_ids, torch.tensor(here)), topk_ids, -1)
+    assert out.dtype == torch.float32
+    assert_close_f64(out, _naive_moe(x, w13, w2, topk_weights, mine), dtype)
+
+
+def test_grouped_moe_reference_is_the_fused_loop_bit_for_bit():
+    """fused_moe_ref is the sort plus grouped_moe_ref: over all experts the two give the same bits."""
+    from moemesh.kernels.moe import grouped_moe_ref
+
+    x, w13, w2, topk_weights, topk_ids = _inputs(torch.bfloat16)
+    row_ids, experts, sizes, positions = _worker_groups(topk_ids, range(NUM_EXPERTS))
+    out = grouped_moe_ref(x, w13, w2, row_ids, experts, sizes, topk_weights.reshape(-1)[positions])
+    assert torch.equal(out.to(x.dtype), fused_moe_ref(x, w13, w2, topk_weights, topk_ids))
