@@ -199,6 +199,7 @@ def main() -> None:
         model.set_expert_executor(Timed(local))
         expected, local_step, local_moe, _, tokens, _ = run(llm, prompts, args.new_tokens)
         num_moe_layers = len(model.moe_layer_ids)
+        dtype = local.experts[0].w13.dtype  # what dtype "auto" picked on this CPU
         rows.append(["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
                      f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes", *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
         for num_workers in args.workers:
@@ -245,7 +246,7 @@ def main() -> None:
                 cluster.stop()
         model.set_expert_executor(local)
     print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
-          f"{num_moe_layers} MoE layers, float32; decode batch {args.requests} x {args.new_tokens} new tokens; "
+          f"{num_moe_layers} MoE layers, {str(dtype).removeprefix('torch.')}; decode batch {args.requests} x {args.new_tokens} new tokens; "
           f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
     print_table(["experts", "transport", "overlap", "step ms", "tokens/s", "x local tok/s", "MoE ms/step",
                  "overhead ms/layer", "vs local ms/layer", "waiting",
