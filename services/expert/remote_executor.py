@@ -186,8 +186,8 @@ class RemoteExpertExecutor(ExpertExecutor):
             request = expert_pb2.RunExpertsRequest(
                 layer=layer, placement_version=placement.version,
                 hidden_states=tensor_to_proto(gather_rows(x, batch.token_ids)),
-                groups=[expert_pb2.ReplicaGroup(slot=int(s), expert=int(e), num_rows=int(n))
-                        for s, e, n in zip(batch.slots, batch.experts, batch.group_sizes)],
+                group_slots=batch.slots.tolist(), group_experts=batch.experts.tolist(),
+                group_rows=batch.group_sizes.tolist(),
                 row_ids=batch.row_ids.tolist(),
                 entry_weights=tensor_to_proto(weights[torch.from_numpy(batch.positions)]),
             )  # fmt: skip

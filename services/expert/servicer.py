@@ -68,9 +68,13 @@ def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> Pa
     if x.shape[1] != shape.hidden_size:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"hidden_states have width {x.shape[1]}, the model's hidden size is {shape.hidden_size}")  # fmt: skip
-    slots = np.array([g.slot for g in request.groups], dtype=np.int64)
-    experts = np.array([g.expert for g in request.groups], dtype=np.int64)
-    sizes = np.array([g.num_rows for g in request.groups], dtype=np.int64)
+    slots = np.array(request.group_slots, dtype=np.int64)
+    experts = np.array(request.group_experts, dtype=np.int64)
+    sizes = np.array(request.group_rows, dtype=np.int64)
+    if not slots.size == experts.size == sizes.size:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"group_slots, group_experts and group_rows must have one value per group, got "
+                        f"{slots.size}, {experts.size} and {sizes.size}")  # fmt: skip
     placement = hosted.placement
     if ((slots < 0) | (slots >= placement.num_slots)).any() or (sizes < 0).any():
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"groups name slots outside [0, {placement.num_slots}) "

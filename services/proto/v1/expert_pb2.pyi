@@ -16,33 +16,27 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class ReplicaGroup(_message.Message):
-    __slots__ = ("slot", "expert", "num_rows")
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_FIELD_NUMBER: _ClassVar[int]
-    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
-    slot: int
-    expert: int
-    num_rows: int
-    def __init__(self, slot: _Optional[int] = ..., expert: _Optional[int] = ..., num_rows: _Optional[int] = ...) -> None: ...
-
 class RunExpertsRequest(_message.Message):
-    __slots__ = ("layer", "placement_version", "hidden_states", "groups", "row_ids", "entry_weights", "sequence_id")
+    __slots__ = ("layer", "placement_version", "hidden_states", "group_slots", "group_experts", "group_rows", "row_ids", "entry_weights", "sequence_id")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
-    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_IDS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     layer: int
     placement_version: int
     hidden_states: Tensor
-    groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
+    group_slots: _containers.RepeatedScalarFieldContainer[int]
+    group_experts: _containers.RepeatedScalarFieldContainer[int]
+    group_rows: _containers.RepeatedScalarFieldContainer[int]
     row_ids: _containers.RepeatedScalarFieldContainer[int]
     entry_weights: Tensor
     sequence_id: int
-    def __init__(self, layer: _Optional[int] = ..., placement_version: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., row_ids: _Optional[_Iterable[int]] = ..., entry_weights: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, layer: _Optional[int] = ..., placement_version: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., group_slots: _Optional[_Iterable[int]] = ..., group_experts: _Optional[_Iterable[int]] = ..., group_rows: _Optional[_Iterable[int]] = ..., row_ids: _Optional[_Iterable[int]] = ..., entry_weights: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ...) -> None: ...
 
 class RunExpertsResponse(_message.Message):
     __slots__ = ("outputs", "sequence_id", "error_code", "error", "compute_s")

@@ -204,19 +204,22 @@ def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_s
 
     def call(**kw):
         fields = dict(layer=0, placement_version=1, hidden_states=x,
-                      groups=[expert_pb2.ReplicaGroup(slot=0, expert=0, num_rows=2)], row_ids=[0, 1]) | kw  # fmt: skip
+                      group_slots=[0], group_experts=[0], group_rows=[2], row_ids=[0, 1]) | kw  # fmt: skip
         with pytest.raises(CallError) as info:
             parse_call(store, expert_pb2.RunExpertsRequest(**fields))
         return info.value.code, str(info.value)
 
     assert call(placement_version=9)[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert call(layer=5)[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert call(groups=[expert_pb2.ReplicaGroup(slot=6, expert=6, num_rows=2)]) == (
+    assert call(group_slots=[6], group_experts=[6]) == (
         grpc.StatusCode.FAILED_PRECONDITION,
         "slots [6] are not expert worker w0's in placement 1",
     )
-    wrong_expert = [expert_pb2.ReplicaGroup(slot=1, expert=0, num_rows=2)]
-    assert call(groups=wrong_expert)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert call(group_slots=[1], group_experts=[0])[0] == grpc.StatusCode.FAILED_PRECONDITION  # slot 1 holds 1
+    assert call(group_rows=[2, 0]) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "group_slots, group_experts and group_rows must have one value per group, got 1, 1 and 2",
+    )
     assert call(row_ids=[0, 2])[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert call(hidden_states=expert_pb2.Tensor(dtype="float32", shape=[2, HIDDEN], data=b"\0" * 8))[0] == (
         grpc.StatusCode.INVALID_ARGUMENT
