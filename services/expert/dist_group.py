@@ -29,23 +29,33 @@ def first_line(e: Exception) -> str:
     return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
 
 
+def check_backend(backend: str) -> None:
+    """ValueError unless this process can form `backend` groups (nccl needs a CUDA build with NCCL
+    and a visible GPU)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"torch-dist backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise ValueError("torch-dist backend nccl needs a CUDA build of torch with NCCL and a GPU; this process has "
+                         f"torch {torch.__version__} and {torch.cuda.device_count()} GPUs (use gloo)")  # fmt: skip
+
+
 def device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def pair_group(store: dist.Store, rank: int, backend: str, host: str, timeout: datetime.timedelta):
     """Join the two-rank group on `store` (blocks until the peer joins, or raises after the store's
-    timeout). `host` is the address the peer reaches this process at (gloo binds its pairs there)."""
+    timeout). `host` is the address the peer reaches this process at (gloo binds its pairs there).
+    ValueError for a backend this process cannot form (`check_backend`)."""
+    check_backend(backend)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         return dist.ProcessGroupGloo(store, rank, 2, options)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    raise ValueError(f"torch-dist backend must be one of {BACKENDS}, got {backend!r}")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
 class Framing:

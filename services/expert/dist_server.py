@@ -23,12 +23,12 @@ from google.protobuf.message import DecodeError
 
 from moemesh.expert.dist_group import (
     ATTENTION_RANK,
-    BACKENDS,
     EXPERT_RANK,
     IDLE_TIMEOUT,
     REPLY_TAGS,
     REQUEST_TAGS,
     Framing,
+    check_backend,
     device_for,
     first_line,
     pair_group,
@@ -52,8 +52,7 @@ class DistDataPlane:
         """Start serving `session`; returns the store's port. ValueError for a bad request."""
         if not session:
             raise ValueError("OpenDataPlane needs a session name")
-        if backend not in BACKENDS:
-            raise ValueError(f"torch-dist backend must be one of {BACKENDS}, got {backend!r}")
+        check_backend(backend)  # before anything is started: a refused backend leaves no thread behind
         with self._lock:
             if session in self._sessions:
                 raise ValueError(f"session {session!r} is already open")

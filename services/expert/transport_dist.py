@@ -30,6 +30,7 @@ from moemesh.expert.dist_group import (
     REPLY_TAGS,
     REQUEST_TAGS,
     Framing,
+    check_backend,
     device_for,
     first_line,
     pair_group,
@@ -48,6 +49,7 @@ class _Peer:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._stash: OrderedDict[int, expert_pb2.RunExpertsResponse] = OrderedDict()
+        check_backend(backend)  # raises ValueError before the peer is asked
         session = uuid.uuid4().hex
         opened = expert_pb2_grpc.ExpertWorkerStub(channel).OpenDataPlane(
             expert_pb2.OpenDataPlaneRequest(session=session, backend=backend), timeout=OPEN_TIMEOUT_S
@@ -127,6 +129,8 @@ class DistExpertTransport(PerWorkerTransport):
             raise ExpertCallError(worker_id, endpoint, e.code().name, e.details() or "") from None
         except RuntimeError as e:  # the store or the group did not come up
             raise ExpertCallError(worker_id, endpoint, "UNAVAILABLE", first_line(e)) from None
+        except ValueError as e:  # this process cannot form the backend's groups
+            raise ExpertCallError(worker_id, endpoint, "FAILED_PRECONDITION", str(e)) from None
 
     def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
         try:

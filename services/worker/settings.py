@@ -151,6 +151,11 @@ class WorkerSettings:
             "--speculative-scheduling confidence is not available with remote experts (its cost table is "
             "measured before the remote executor is installed); use --speculative-scheduling fixed",
         )
+        check(
+            not (self.expert.remote and self.expert.transport == "torch-dist" and self.expert.dist_backend == "nccl"
+                 and not self.engine.device.startswith("cuda")),
+            "--expert-dist-backend nccl moves GPU tensors: it needs --device cuda (use gloo on the CPU)",
+        )  # fmt: skip
 
     @property
     def endpoint(self) -> str:

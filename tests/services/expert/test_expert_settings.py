@@ -81,3 +81,12 @@ def test_confidence_scheduled_speculation_with_remote_experts_is_rejected_naming
         worker_settings(build_parser().parse_args(argv), env={})
     fixed = worker_settings(build_parser().parse_args(argv + ["--speculative-scheduling", "fixed"]), env={})
     assert fixed.expert.remote and fixed.engine.speculation.scheduling == "fixed"
+
+
+def test_the_nccl_backend_on_a_cpu_worker_is_rejected_at_start_naming_the_fix():
+    argv = ["serve", "--role", "decode", "--remote-experts", "--expert-transport", "torch-dist",
+            "--expert-dist-backend", "nccl"]  # fmt: skip
+    with pytest.raises(SettingsError, match=r"needs --device cuda \(use gloo on the CPU\)"):
+        worker_settings(build_parser().parse_args(argv), env={})
+    on_gpu = worker_settings(build_parser().parse_args(argv + ["--device", "cuda"]), env={})
+    assert on_gpu.expert.dist_backend == "nccl"

@@ -168,6 +168,26 @@ def test_open_data_plane_refuses_a_reused_session_or_an_unknown_backend(expert_s
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.details()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl can form groups on this machine")
+def test_nccl_without_a_gpu_is_refused_on_both_sides_naming_gloo(expert_side):
+    """An nccl group needs a CUDA build with a GPU: the expert side answers INVALID_ARGUMENT before
+    it starts a thread, the attention side fails the call before it asks."""
+    servicer, endpoint, _ = expert_side
+    with grpc.insecure_channel(endpoint) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            expert_pb2_grpc.ExpertWorkerStub(channel).OpenDataPlane(
+                expert_pb2.OpenDataPlaneRequest(session="n", backend="nccl"), timeout=30)  # fmt: skip
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "(use gloo)" in refused.value.details()
+    transport = make_transport("torch-dist", {"expert-0": endpoint}, dist_backend="nccl")
+    try:
+        with pytest.raises(ExpertCallError) as failed:
+            transport.submit("expert-0", request(0, 2, 0), timeout_s=60).result()
+    finally:
+        transport.close()
+    assert failed.value.code == "FAILED_PRECONDITION" and "needs a CUDA build" in failed.value.details
+    assert servicer.opened == []  # neither side started a session
+
+
 def test_framing_carries_empty_and_multi_megabyte_messages_both_ways():
     import datetime
     from concurrent.futures import ThreadPoolExecutor
