@@ -117,3 +117,23 @@ def test_grouped_moe_reference_is_the_fused_loop_bit_for_bit():
     row_ids, experts, sizes, positions = _worker_groups(topk_ids, range(NUM_EXPERTS))
     out = grouped_moe_ref(x, w13, w2, row_ids, experts, sizes, topk_weights.reshape(-1)[positions])
     assert torch.equal(out.to(x.dtype), fused_moe_ref(x, w13, w2, topk_weights, topk_ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_moe_kernels_compile_and_match_the_float64_oracle(dtype, monkeypatch):
+    """On a GPU (not the interpreter): the engine's fused MoE and the expert worker's grouped MoE."""
+    from moemesh import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    x, w13, w2, topk_weights, topk_ids = _inputs(dtype, num_tokens=40)
+    on_gpu = [t.cuda() for t in (x, w13, w2, topk_weights, topk_ids)]
+    assert_close_f64(kernels.fused_moe(*on_gpu).cpu(), _naive_moe(x, w13, w2, topk_weights, topk_ids), dtype)
+    here = [0, 2, 4]
+    row_ids, experts, sizes, positions = _worker_groups(topk_ids, here)
+    weights = topk_weights.reshape(-1)[positions]
+    out = kernels.grouped_moe(on_gpu[0], on_gpu[1], on_gpu[2], row_ids.cuda(), experts, sizes, weights.cuda())
+    mine = torch.where(torch.isin(topk_ids, torch.tensor(here)), topk_ids, -1)
+    assert out.dtype == torch.float32
+    assert_close_f64(out.cpu(), _naive_moe(x, w13, w2, topk_weights, mine), dtype)
