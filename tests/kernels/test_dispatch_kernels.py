@@ -70,9 +70,8 @@ def test_cuda_tensors_take_the_triton_path(monkeypatch):
     original = dispatch.rms_norm_triton
     monkeypatch.setattr(dispatch, "rms_norm_triton", lambda *a: called.append(1) or original(*a))
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(
-        kernels.rms_norm(x, torch.ones(64, device="cuda"), 1e-6), rms_norm_ref(x, torch.ones(64, device="cuda"), 1e-6)
-    )
+    weight = torch.ones(64, device="cuda", dtype=torch.bfloat16)  # in x's dtype, as the engine's norms hold it
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
     assert called
 
 
