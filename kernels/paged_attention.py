@@ -29,6 +29,8 @@ from moemesh.kernels._triton import (
     upcast_dot,
 )
 
+ALL_HEADS_MAX_KV_HEADS = 4  # decode reference: above this, per-head products over transposed K/V
+
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -63,9 +65,18 @@ def paged_decode_attention_ref(
     scale: float,
     plan: DecodePlan | None = None,  # the round's, shared by its layers; None: computed here
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
-    """The whole decode batch in two batched matmuls. GQA without copies: the `group` query heads
-    sharing a kv head are laid out as `group` query rows of that head (no causal mask is needed:
-    every cached token precedes the query). Softmax runs in float32."""
+    """The whole decode batch in two batched matmuls; softmax in float32. No causal mask is
+    needed: every cached token precedes the query.
+
+    With few kv heads (<= ALL_HEADS_MAX_KV_HEADS) each request's gathered K/V stay token-major as
+    the cache holds them ([tokens * kv_heads, head_dim], contiguous): every query head is
+    multiplied with every kv head and the matching scores are kept (the diagonal), then the
+    probabilities are put back on that diagonal (zeros elsewhere) for the product with V. That
+    spends num_kv_heads times the flops of a per-head product but no transposed copy of K/V,
+    which is what dominates on the CPU (SmolLM2, 3 kv heads, 64 requests x 161 tokens: 2.8 ms
+    per layer instead of 3.9). The sums are the same products in the same order, so the results
+    are the per-head path's. Otherwise the `group` query heads sharing a kv head are laid out as
+    `group` query rows of that head, over a transposed view of K/V."""
     num_reqs, num_heads, head_dim = query.shape
     if num_reqs == 0:
         return query.new_empty(query.shape)
@@ -74,16 +85,32 @@ def paged_decode_attention_ref(
     plan = plan or DecodePlan(block_tables, context_lens.to(query.device), block_size)
     if plan.num_blocks == 0:
         return torch.zeros_like(query)
-    k = gather_kv(k_cache, plan.tables).transpose(1, 2)  # [num_reqs, kvh, num_blocks * block_size, d]
-    v = gather_kv(v_cache, plan.tables).transpose(1, 2)
+    k, v = gather_kv(k_cache, plan.tables), gather_kv(v_cache, plan.tables)  # [num_reqs, len, kvh, d]
+    if num_kv_heads <= ALL_HEADS_MAX_KV_HEADS:
+        length = k.shape[1]
+        k = k.to(query.dtype).view(num_reqs, length * num_kv_heads, head_dim)
+        v = v.to(query.dtype).view(num_reqs, length * num_kv_heads, head_dim)
+        every = torch.bmm(query, k.transpose(1, 2)).view(num_reqs, num_kv_heads, group, length, num_kv_heads)
+        scores = torch.diagonal(every, dim1=1, dim2=4).permute(0, 3, 1, 2)  # [num_reqs, kvh, g, len]
+        probs = _masked_softmax(scores.float().mul_(scale), plan)
+        spread = query.new_zeros(num_reqs, num_kv_heads, group, length, num_kv_heads)
+        torch.diagonal(spread, dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
+        out = torch.bmm(spread.view(num_reqs, num_heads, length * num_kv_heads), v)  # [num_reqs, heads, d]
+        return out.to(query.dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [num_reqs, kvh, len, d]
     q = query.view(num_reqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float().mul_(scale)  # [num_reqs, kvh, g, len]
+    probs = _masked_softmax(scores, plan)
+    out = torch.matmul(probs.to(v.dtype), v)  # [num_reqs, kvh, g, d] -> heads in order
+    return out.reshape(num_reqs, num_heads, head_dim).to(query.dtype)
+
+
+def _masked_softmax(scores: torch.Tensor, plan: DecodePlan) -> torch.Tensor:  # [num_reqs, kvh, g, len]
     scores.masked_fill_(plan.masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if plan.any_empty:  # an empty request: its fully masked row is NaN
         probs = probs.nan_to_num_(0.0)
-    out = torch.matmul(probs.to(v.dtype), v)  # [num_reqs, kvh, g, d] -> heads in order
-    return out.reshape(num_reqs, num_heads, head_dim).to(query.dtype)
+    return probs
 
 
 def paged_prefill_attention_ref(

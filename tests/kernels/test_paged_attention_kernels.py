@@ -1,3 +1,4 @@
+import importlib
 import math
 
 import pytest
@@ -103,12 +104,28 @@ def test_triton_prefill_matches_the_float64_oracle(num_kv_heads, group, dtype):
     assert_close_f64(out, expected, dtype)
 
 
-@pytest.mark.parametrize("num_kv_heads,group,dtype", CASES)
+# the decode reference's two paths: all heads against all kv heads (<= 4 kv heads), per head (more)
+REFERENCE_CASES = CASES + [(3, 3, torch.bfloat16), (4, 2, torch.float32), (6, 2, torch.float32)]
+
+
+@pytest.mark.parametrize("num_kv_heads,group,dtype", REFERENCE_CASES)
 def test_references_match_the_float64_oracle(num_kv_heads, group, dtype):
     args, expected = _decode_case(num_kv_heads, group, dtype)
     assert_close_f64(paged_decode_attention_ref(*args), expected, dtype)
     args, expected = _prefill_case(num_kv_heads, group, dtype)
     assert_close_f64(paged_prefill_attention_ref(*args), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reference_paths_agree(monkeypatch, dtype):
+    """The all-heads products (kept on their diagonal) and the per-head products: the same sums."""
+    args, _ = _decode_case(3, 3, dtype)
+    all_heads = paged_decode_attention_ref(*args)
+    module = importlib.import_module("moemesh.kernels.paged_attention")  # the package's name is the function
+    monkeypatch.setattr(module, "ALL_HEADS_MAX_KV_HEADS", 0)
+    per_head = paged_decode_attention_ref(*args)
+    torch.testing.assert_close(all_heads, per_head, rtol=1e-6, atol=1e-6)
+    assert all_heads[1].eq(0).all()  # the empty request
 
 
 def test_triton_attention_with_the_engine_block_size_and_the_default_tiles():
