@@ -341,8 +341,8 @@ def test_cuda_fp8_paths_run_the_triton_kernels_and_match_the_w8a8_references(mon
     cuda_inputs = [t.cuda() for t in inputs]
     out, ref = dispatch.fp8_fused_moe(*cuda_inputs).cpu(), fp8_fused_moe_w8a8_ref(*cuda_inputs).cpu()
     # each against the oracle, so a failure names the side that is off and the tokens it hits
+    tol = TOLERANCES[torch.bfloat16]
     for name, actual in (("triton", out), ("w8a8_ref", ref)):
-        tol = TOLERANCES[torch.bfloat16]
         excess = ((actual.double() - expected).abs() - tol["rtol"] * expected.abs()).amax(dim=1)  # [num_tokens]
         bad = [(t, round(float(excess[t]), 4)) for t in excess.argsort(descending=True)[:4].tolist()]
         assert excess.max() <= tol["atol"], f"{name} on CUDA vs the float64 oracle, worst tokens: {bad}"
