@@ -2,7 +2,7 @@
 the engine with its routed experts in-process vs on 1, 2 and 4 expert worker processes, for each
 expert transport, and the bytes moved per token.
 
-    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--transports grpc grpc-stream torch-dist]
+    python benchmarks/expert_dispatch.py [--workers 1 2 4] [--transports grpc grpc-stream torch-dist socket]
                                          [--overlap off on] [--requests 32]
 
 Builds a random Qwen3-MoE checkpoint with transformers (default hidden 1024, 64 experts of 256,
@@ -40,6 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import print_table  # noqa: E402
 
@@ -47,10 +48,10 @@ from moemesh import LLM, SamplingParams  # noqa: E402
 from moemesh.common.placement import PlacementStore  # noqa: E402
 from moemesh.common.redis_client import connect  # noqa: E402
 from moemesh.engine.overlap_tuner import OverlapTuner, round_shape  # noqa: E402
+from moemesh.expert.call import ExpertRequest  # noqa: E402
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
 from moemesh.expert.transport import TRANSPORTS, ExpertCallError, make_transport  # noqa: E402
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
-from moemesh.proto.v1 import expert_pb2  # noqa: E402
 
 
 def build_checkpoint(path: str, args) -> None:
@@ -151,8 +152,8 @@ def transport_floor(kind: str, worker_id: str, endpoint: str, version: int, repe
     times = []
     try:
         for _ in range(repeats):
-            request = expert_pb2.RunExpertsRequest(layer=0, placement_version=version,
-                                                   hidden_states=expert_pb2.Tensor(dtype="float32", shape=[0, 8]))  # fmt: skip
+            none = np.zeros(0, dtype=np.int32)
+            request = ExpertRequest(0, version, torch.zeros(0, 8), none, none, none, none)
             start = time.perf_counter()
             try:
                 transport.submit(worker_id, request, 5.0).result()

@@ -27,6 +27,7 @@ KIND = "InferenceMesh"
 PLURAL = "inferencemeshes"
 
 GRPC_PORT = 50051
+DATA_PORT = 50052  # expert pods: the socket transport's data connections
 HTTP_PORT = 8000
 METRICS_PORT = 9090
 CONFIG_PATH = "/etc/moemesh/mesh.json"
@@ -99,7 +100,7 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
             "dtype": spec.model.dtype,
         },
         "redis_url": redis_url,
-        "ports": {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT},
+        "ports": {"grpc": GRPC_PORT, "data": DATA_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT},
         "services": {
             role: f"{name}-{role}.{namespace}.svc:{GRPC_PORT}" for role in ("router", "prefill", "decode", "expert")
         },
@@ -124,6 +125,8 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
     ]
     if role == "router":
         ports.insert(0, {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
+    if role == "expert":
+        ports.insert(1, {"name": "data", "containerPort": DATA_PORT, "protocol": "TCP"})
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},

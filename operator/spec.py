@@ -25,7 +25,7 @@ POD_FIELDS = ("runtimeClassName", "affinity", "topologySpreadConstraints", "prio
 
 
 # the workers' --expert-transport choices (services/worker/settings.py EXPERT_TRANSPORTS; a test keeps them equal)
-EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
+EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist", "socket")
 
 
 class SpecError(ValueError):

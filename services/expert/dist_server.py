@@ -2,8 +2,9 @@
 serving thread per two-rank group.
 
 Callers: `ExpertServicer.OpenDataPlane` calls `open(session, backend)` (on a worker thread) when
-an attention worker wants a group; `answer` is the servicer's `answer_blocking` (parse, compute,
-count on the serving thread itself: no hop per request); the worker calls `close()` at shutdown.
+an attention worker wants a group; `answer` is the servicer's `answer_blocking` (check, compute,
+count on the serving thread itself: no hop per request; raises CallError for a refused request);
+the worker calls `close()` at shutdown.
 
 `open` starts the store on first use (an ephemeral port, returned to the caller, who reaches it at
 the gRPC endpoint's host) and a thread that joins the group as rank 0, then loops: receive a
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from google.protobuf.message import DecodeError
 
+from moemesh.expert.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
 from moemesh.expert.dist_group import (
     ATTENTION_RANK,
     EXPERT_RANK,
@@ -33,6 +35,7 @@ from moemesh.expert.dist_group import (
     first_line,
     pair_group,
 )
+from moemesh.expert.wire import WireError
 from moemesh.proto.v1 import expert_pb2
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)  # a peer that asked for a g
 
 class DistDataPlane:
     def __init__(self, host: str, worker_id: str,
-                 answer: Callable[[expert_pb2.RunExpertsRequest], expert_pb2.RunExpertsResponse]):  # fmt: skip
+                 answer: Callable[[ExpertRequest], ExpertReply]):  # fmt: skip
         self.host, self.worker_id, self._answer = host, worker_id, answer
         self._store: dist.TCPStore | None = None
         self._sessions: set[str] = set()
@@ -87,16 +90,22 @@ class DistDataPlane:
             logger.info("torch-dist session %s closed while replying: %s", session[:8], first_line(e))
 
     def _reply(self, data: bytes) -> expert_pb2.RunExpertsResponse:
-        request = expert_pb2.RunExpertsRequest()
+        message = expert_pb2.RunExpertsRequest()
         try:
-            request.ParseFromString(data)
+            message.ParseFromString(data)
         except DecodeError as e:
             return expert_pb2.RunExpertsResponse(error_code="INVALID_ARGUMENT", error=f"not a RunExpertsRequest: {e}")
         try:
-            return self._answer(request)
+            reply = reply_to_proto(self._answer(request_from_proto(message)))
+        except WireError as e:
+            reply = expert_pb2.RunExpertsResponse(error_code="INVALID_ARGUMENT", error=str(e))
+        except CallError as e:
+            reply = expert_pb2.RunExpertsResponse(error_code=e.code.name, error=str(e))
         except Exception as e:  # a bug: answer it as gRPC would (INTERNAL) and keep the group
-            logger.exception("torch-dist request %d failed", request.sequence_id)
-            return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code="INTERNAL", error=str(e))
+            logger.exception("torch-dist request %d failed", message.sequence_id)
+            reply = expert_pb2.RunExpertsResponse(error_code="INTERNAL", error=str(e))
+        reply.sequence_id = message.sequence_id
+        return reply
 
     def close(self) -> None:
         """Stop taking new groups (open ones end when their peer sees the process go)."""

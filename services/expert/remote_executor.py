@@ -39,10 +39,10 @@ import torch
 from moemesh.common.placement import Placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import CompletedExperts, ExpertExecutor, ExpertHandle, ExpertPlacement
+from moemesh.expert.call import ExpertRequest
 from moemesh.expert.dispatch_plan import WorkerBatch, gather_rows, group_by_worker, reroute, sort_entries
 from moemesh.expert.transport import ExpertCallError, ExpertTransport
-from moemesh.expert.wire import WireError, tensor_from_proto, tensor_to_proto
-from moemesh.proto.v1 import expert_pb2
+from moemesh.expert.wire import WireError
 
 
 class RemotePlacement(ExpertPlacement):
@@ -183,15 +183,12 @@ class RemoteExpertExecutor(ExpertExecutor):
     def _send(self, layer, placement: RemotePlacement, x, weights, batches: list[WorkerBatch]) -> list:
         calls = []
         for batch in batches:
-            request = expert_pb2.RunExpertsRequest(
-                layer=layer, placement_version=placement.version,
-                hidden_states=tensor_to_proto(gather_rows(x, batch.token_ids)),
-                group_slots=batch.slots.tolist(), group_experts=batch.experts.tolist(),
-                group_rows=batch.group_sizes.tolist(),
-                row_ids=batch.row_ids.tolist(),
-                entry_weights=tensor_to_proto(weights[torch.from_numpy(batch.positions)]),
+            request = ExpertRequest(
+                layer, placement.version, gather_rows(x, batch.token_ids), batch.slots.astype(np.int32),
+                batch.experts.astype(np.int32), batch.group_sizes.astype(np.int32), batch.row_ids.astype(np.int32),
+                weights[torch.from_numpy(batch.positions)],
             )  # fmt: skip
-            self.num_bytes_sent += len(request.hidden_states.data) + len(request.entry_weights.data)
+            self.num_bytes_sent += request.hidden_states.nbytes + request.entry_weights.nbytes
             calls.append((batch, self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)))
         return calls
 
@@ -201,7 +198,7 @@ class RemoteExpertExecutor(ExpertExecutor):
             worker_id = placement.worker_ids[batch.worker]
             try:
                 reply = call.result()
-                y = tensor_from_proto(reply.outputs, "outputs", ndim=2)
+                y = reply.outputs
                 expected = (batch.token_ids.size, x.shape[1])
                 if tuple(y.shape) != expected or y.dtype != torch.float32:
                     raise WireError(f"outputs are {y.dtype} {list(y.shape)}, expected float32 {list(expected)}")
@@ -209,7 +206,7 @@ class RemoteExpertExecutor(ExpertExecutor):
                 failed.append((batch, e))
                 self._down_until[worker_id] = self.clock() + self.retry_s
                 continue
-            self.num_bytes_received += len(reply.outputs.data)
+            self.num_bytes_received += y.nbytes
             slowest = max(slowest, reply.compute_s)
             self._down_until.pop(worker_id, None)
             out.index_add_(0, torch.from_numpy(batch.token_ids), y)  # this worker's partial of each of its tokens

@@ -1,16 +1,17 @@
-"""ExpertWorker gRPC servicer: proto <-> replica compute.
+"""ExpertWorker gRPC servicer: requests <-> replica compute.
 
-`parse_call` checks a RunExpertsRequest against a loaded version (layer range, tensor shape,
-groups of slots this worker owns holding the named experts, row ids in range, entry weights) and
-returns the compute inputs; `run_call` computes them: with entry weights the worker combines its
-own experts (one float32 partial [num_tokens, hidden] back instead of one row per entry).
-`RunExperts` (unary), `RunExpertsStream` (one long-lived bidirectional call per attention
-worker, requests matched to responses by sequence id) and the torch-dist data plane
-(`OpenDataPlane` here; each group's serving thread in dist_server.py calls `answer_blocking`)
-share that path. The gRPC calls compute on one dedicated thread (torch uses its intra-op threads
-inside it), so health checks and status calls stay responsive; a torch-dist group computes on its
-own serving thread, one computation at a time with the others (a lock). Each call in flight is
-counted per version (a version is released only when none is).
+`parse_call` checks an ExpertRequest (call.py) against a loaded version (layer range, tensor
+shape, groups of slots this worker owns holding the named experts, row ids in range, entry
+weights) and returns the compute inputs; `run_call` computes them: with entry weights the worker
+combines its own experts (one float32 partial [num_tokens, hidden] back instead of one row per
+entry). `RunExperts` (unary), `RunExpertsStream` (one long-lived bidirectional call per attention
+worker, requests matched to responses by sequence id) and the data planes that `OpenDataPlane`
+opens (torch-dist groups, dist_server.py; raw-frame sockets, socket_server.py; their serving
+threads call `answer_blocking`) share that path. The gRPC calls compute on one dedicated thread
+(torch uses its intra-op threads inside it), so health checks and status calls stay responsive;
+a data-plane connection computes on its own serving thread, one computation at a time with the
+others (a lock). Each call in flight is counted per version (a version is released only when
+none is).
 """
 
 from __future__ import annotations
@@ -27,17 +28,10 @@ import numpy as np
 import torch
 
 from moemesh.common.metrics import ExpertMetrics
+from moemesh.expert.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
 from moemesh.expert.replicas import HostedVersion, ReplicaStore
-from moemesh.expert.wire import WireError, tensor_from_proto, tensor_to_proto
+from moemesh.expert.wire import WireError
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
-
-
-class CallError(Exception):
-    """A RunExperts request this worker refuses; `code` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ class ParsedCall:
     weights: torch.Tensor | None  # [num_entries] float32 gate weights: combine here; None: one row per entry
 
 
-def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> ParsedCall:
+def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
     hosted = store.get(request.placement_version)
     if hosted is None:
         raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -61,16 +55,14 @@ def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> Pa
     shape = store.shape
     if not 0 <= request.layer < shape.num_layers:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} is not in [0, {shape.num_layers})")
-    try:
-        x = tensor_from_proto(request.hidden_states, "hidden_states", ndim=2)
-    except WireError as e:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    if x.shape[1] != shape.hidden_size:
+    x = request.hidden_states
+    if x.dim() != 2 or x.shape[1] != shape.hidden_size:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"hidden_states have width {x.shape[1]}, the model's hidden size is {shape.hidden_size}")  # fmt: skip
-    slots = np.array(request.group_slots, dtype=np.int64)
-    experts = np.array(request.group_experts, dtype=np.int64)
-    sizes = np.array(request.group_rows, dtype=np.int64)
+                        f"hidden_states are {list(x.shape)}, expected [num_tokens, {shape.hidden_size}] (the model's "
+                        "hidden size)")  # fmt: skip
+    slots = request.group_slots.astype(np.int64)
+    experts = request.group_experts.astype(np.int64)
+    sizes = request.group_rows.astype(np.int64)
     if not slots.size == experts.size == sizes.size:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"group_slots, group_experts and group_rows must have one value per group, got "
@@ -90,28 +82,23 @@ def parse_call(store: ReplicaStore, request: expert_pb2.RunExpertsRequest) -> Pa
         raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"slot {slots[bad]} holds expert {held[bad]} in layer {request.layer} of placement "
                         f"{hosted.version}, not {experts[bad]}")  # fmt: skip
-    row_ids = np.array(request.row_ids, dtype=np.int64)
+    row_ids = request.row_ids.astype(np.int64)
     if row_ids.size != int(sizes.sum()):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{row_ids.size} row ids for groups of {int(sizes.sum())} rows")  # fmt: skip
     if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= x.shape[0]):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must be in [0, {x.shape[0]})")
-    weights = None
-    if request.HasField("entry_weights"):
-        try:
-            weights = tensor_from_proto(request.entry_weights, "entry_weights", ndim=1)
-        except WireError as e:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if weights.dtype != torch.float32 or weights.shape[0] != row_ids.size:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
-                            f"{list(weights.shape)}")  # fmt: skip
+    weights = request.entry_weights
+    if weights is not None and (weights.dtype != torch.float32 or tuple(weights.shape) != (row_ids.size,)):
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
+                        f"{list(weights.shape)}")  # fmt: skip
     local_counts = np.bincount(local, weights=sizes, minlength=hosted.slots.size).astype(np.int64)
     return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), torch.from_numpy(np.repeat(local, sizes)),
                       local_counts, (local.tolist(), sizes.tolist()), weights)  # fmt: skip
 
 
-def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
+def run_call(call: ParsedCall) -> ExpertReply:
     started = time.perf_counter()
     hosted = call.hosted
     combined = call.weights is not None
@@ -126,7 +113,15 @@ def run_call(call: ParsedCall) -> expert_pb2.RunExpertsResponse:
             y = hosted.run_combined(call.layer, x, row_ids, local, call.weights.to(w13.device), call.groups).cpu()
         else:  # [num_entries, hidden]
             y = hosted.run(call.layer, x, row_ids, local).to(device="cpu", dtype=call.x.dtype)
-    return expert_pb2.RunExpertsResponse(outputs=tensor_to_proto(y), compute_s=time.perf_counter() - started)
+    return ExpertReply(y, time.perf_counter() - started)
+
+
+def decode_request(message: expert_pb2.RunExpertsRequest) -> ExpertRequest:
+    """A RunExpertsRequest's call; CallError INVALID_ARGUMENT for inconsistent tensors."""
+    try:
+        return request_from_proto(message)
+    except WireError as e:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
@@ -145,6 +140,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self._counts_lock = threading.Lock()  # counters and in-flight: the event loop and torch-dist threads
         self._compute_lock = threading.Lock()  # one computation at a time, whichever thread runs it
         self.data_plane = None  # dist_server.DistDataPlane of the torch-dist transport, set by the worker
+        self.socket_plane = None  # socket_server.SocketDataPlane of the socket transport, set by the worker
         self._closing = asyncio.Event()
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
@@ -174,7 +170,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
             closing.cancel()
 
     async def answer(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
-        """The reply of a data-plane stream (grpc-stream, torch-dist): a refused request is answered
+        """The reply of a RunExpertsStream request: a refused request is answered
         with its error code, and the reply carries the request's sequence id."""
         try:
             reply = await self._serve(request)
@@ -184,10 +180,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         return reply
 
     async def OpenDataPlane(self, request: expert_pb2.OpenDataPlaneRequest, context: grpc.aio.ServicerContext):
-        if self._closing.is_set() or self.data_plane is None:
+        plane = self.socket_plane if request.backend == "socket" else self.data_plane
+        if self._closing.is_set() or plane is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"expert worker {self.store.worker_id} is stopping")
         try:
-            port = await asyncio.to_thread(self.data_plane.open, request.session, request.backend)
+            port = await asyncio.to_thread(plane.open, request.session, request.backend)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return expert_pb2.OpenDataPlaneResponse(store_port=port)
@@ -197,35 +194,34 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         current request, so the grace period is not spent waiting on idle long-lived calls."""
         self._closing.set()
 
-    async def _serve(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+    async def _serve(self, message: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
         """Raises CallError for a request this worker refuses."""
+        started = time.perf_counter()
+        call = self._begin(message)
+        reply = None
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(self._compute, self._run, call)
+            return reply_to_proto(reply)
+        finally:
+            self._finish(call, started, ok=reply is not None)
+
+    def answer_blocking(self, request: ExpertRequest) -> ExpertReply:
+        """The reply on the caller's thread (the torch-dist and socket data planes' serving
+        threads): no hop to the event loop or the compute thread; computes one at a time with them
+        (the compute lock). Raises CallError for a request this worker refuses."""
         started = time.perf_counter()
         call = self._begin(request)
         reply = None
         try:
-            reply = await asyncio.get_running_loop().run_in_executor(self._compute, self._run, call)
+            reply = self._run(call)
             return reply
         finally:
             self._finish(call, started, ok=reply is not None)
 
-    def answer_blocking(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
-        """`answer` on the caller's thread (the torch-dist groups' serving threads): no hop to the
-        event loop or the compute thread; computes one at a time with them (the compute lock)."""
-        started = time.perf_counter()
+    def _begin(self, request: ExpertRequest | expert_pb2.RunExpertsRequest) -> ParsedCall:
         try:
-            call = self._begin(request)
-        except CallError as e:
-            return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code=e.code.name, error=str(e))
-        reply = None
-        try:
-            reply = self._run(call)
-        finally:
-            self._finish(call, started, ok=reply is not None)
-        reply.sequence_id = request.sequence_id
-        return reply
-
-    def _begin(self, request: expert_pb2.RunExpertsRequest) -> ParsedCall:
-        try:
+            if isinstance(request, expert_pb2.RunExpertsRequest):
+                request = decode_request(request)
             call = parse_call(self.store, request)
         except CallError as e:
             if self.metrics is not None:
@@ -236,7 +232,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
             self.num_in_flight += 1
         return call
 
-    def _run(self, call: ParsedCall) -> expert_pb2.RunExpertsResponse:
+    def _run(self, call: ParsedCall) -> ExpertReply:
         with self._compute_lock:
             return run_call(call)
 

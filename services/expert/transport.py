@@ -16,7 +16,12 @@ Implementations (`make_transport`, selected by `--expert-transport`):
 - `grpc-stream` (default): `transport_grpc_stream.GrpcStreamExpertTransport`, one long-lived
   bidirectional RunExpertsStream call per expert worker, requests matched to replies by sequence id;
 - `torch-dist`: `transport_dist.DistExpertTransport`, a two-rank torch.distributed group per expert
-  worker (gloo on CPU, nccl on GPU), formed through the OpenDataPlane RPC.
+  worker (gloo on CPU, nccl on GPU), formed through the OpenDataPlane RPC;
+- `socket`: `transport_socket.SocketExpertTransport`, one TCP connection per expert worker carrying
+  raw frames (frames.py: a fixed header, then the arrays' bytes; no protobuf), its port from the
+  OpenDataPlane RPC.
+Requests and replies are `call.ExpertRequest` / `call.ExpertReply` (tensors and index arrays);
+each transport encodes them its own way.
 Every implementation fails fast on a dead peer (no wait-for-ready) and after `timeout_s` on a
 hung one, raising `ExpertCallError` from `result()`.
 """
@@ -31,9 +36,10 @@ from typing import Protocol
 import grpc
 
 from moemesh.common.grpc_util import CHANNEL_OPTIONS
-from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+from moemesh.expert.call import ExpertReply, ExpertRequest, reply_from_proto, request_to_proto
+from moemesh.proto.v1 import expert_pb2_grpc
 
-TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
+TRANSPORTS = ("grpc", "grpc-stream", "torch-dist", "socket")
 
 
 class ExpertCallError(Exception):
@@ -45,13 +51,13 @@ class ExpertCallError(Exception):
 
 
 class PendingCall(Protocol):
-    def result(self) -> expert_pb2.RunExpertsResponse:  # raises ExpertCallError
+    def result(self) -> ExpertReply:  # raises ExpertCallError (a failed call), WireError (a malformed reply)
         ...
 
 
 class ExpertTransport(ABC):
     @abstractmethod
-    def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
+    def submit(self, worker_id: str, request: ExpertRequest, timeout_s: float) -> PendingCall:
         """Start one call; never blocks on the peer and never raises (errors come from result())."""
 
     @abstractmethod
@@ -67,7 +73,7 @@ class FailedCall:
     def __init__(self, error: ExpertCallError):
         self._error = error
 
-    def result(self) -> expert_pb2.RunExpertsResponse:
+    def result(self) -> ExpertReply:
         raise self._error
 
 
@@ -75,11 +81,12 @@ class _GrpcCall:
     def __init__(self, future: grpc.Future, worker_id: str, endpoint: str):
         self._future, self._worker_id, self._endpoint = future, worker_id, endpoint
 
-    def result(self) -> expert_pb2.RunExpertsResponse:
+    def result(self) -> ExpertReply:
         try:
-            return self._future.result()
+            message = self._future.result()
         except grpc.RpcError as e:
             raise ExpertCallError(self._worker_id, self._endpoint, e.code().name, e.details() or "") from None
+        return reply_from_proto(message)
 
 
 class Connection(Protocol):
@@ -156,7 +163,7 @@ class GrpcExpertTransport(ExpertTransport):
     def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
         self._endpoints = {**self._endpoints, **endpoints}  # a vanished worker keeps its last address
 
-    def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
+    def submit(self, worker_id: str, request: ExpertRequest, timeout_s: float) -> PendingCall:
         endpoint = self._endpoints.get(worker_id, "")
         if not endpoint:
             return FailedCall(ExpertCallError(worker_id, "", "UNAVAILABLE", "not in the registry"))
@@ -165,7 +172,7 @@ class GrpcExpertTransport(ExpertTransport):
             channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._stubs[endpoint] = expert_pb2_grpc.ExpertWorkerStub(channel)
-        return _GrpcCall(stub.RunExperts.future(request, timeout=timeout_s), worker_id, endpoint)
+        return _GrpcCall(stub.RunExperts.future(request_to_proto(request), timeout=timeout_s), worker_id, endpoint)
 
     def close(self) -> None:
         channels, self._channels, self._stubs = self._channels, [], {}
@@ -187,4 +194,8 @@ def make_transport(kind: str, endpoints: Mapping[str, str], host: str = "127.0.0
         from moemesh.expert.transport_dist import DistExpertTransport
 
         return DistExpertTransport(endpoints, dist_backend, host)
+    if kind == "socket":
+        from moemesh.expert.transport_socket import SocketExpertTransport
+
+        return SocketExpertTransport(endpoints)
     raise ValueError(f"expert transport must be one of {TRANSPORTS}, got {kind!r}")

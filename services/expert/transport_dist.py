@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import grpc
 import torch.distributed as dist
 
+from moemesh.expert.call import ExpertReply, ExpertRequest, reply_from_proto, request_to_proto
 from moemesh.expert.dist_group import (
     ATTENTION_RANK,
     EXPERT_RANK,
@@ -64,18 +65,19 @@ class _Peer:
     def closed(self) -> bool:
         return self.error is not None
 
-    def submit(self, request: expert_pb2.RunExpertsRequest) -> int:
+    def submit(self, request: ExpertRequest) -> int:
+        message = request_to_proto(request)
         with self._lock:
             if self.error is not None:
                 raise self.error
-            request.sequence_id = sequence_id = next(self._ids)
+            message.sequence_id = sequence_id = next(self._ids)
             try:
-                self._framing.send(request.SerializeToString(), REQUEST_TAGS)
+                self._framing.send(message.SerializeToString(), REQUEST_TAGS)
             except RuntimeError as e:
                 raise self._fail("UNAVAILABLE", first_line(e)) from None
             return sequence_id
 
-    def collect(self, sequence_id: int, timeout_s: float) -> expert_pb2.RunExpertsResponse:
+    def collect(self, sequence_id: int, timeout_s: float) -> ExpertReply:
         timeout = datetime.timedelta(seconds=timeout_s)
         with self._lock:
             while sequence_id not in self._stash:
@@ -96,7 +98,7 @@ class _Peer:
             reply = self._stash.pop(sequence_id)
         if reply.error_code:
             raise ExpertCallError(self.worker_id, self.endpoint, reply.error_code, reply.error)
-        return reply
+        return reply_from_proto(reply)
 
     def _fail(self, code: str, details: str) -> ExpertCallError:
         if self.error is None:
@@ -112,7 +114,7 @@ class _DistCall:
     def __init__(self, peer: _Peer, sequence_id: int, timeout_s: float):
         self._peer, self._sequence_id, self._timeout_s = peer, sequence_id, timeout_s
 
-    def result(self) -> expert_pb2.RunExpertsResponse:
+    def result(self) -> ExpertReply:
         return self._peer.collect(self._sequence_id, self._timeout_s)
 
 
@@ -132,7 +134,7 @@ class DistExpertTransport(PerWorkerTransport):
         except ValueError as e:  # this process cannot form the backend's groups
             raise ExpertCallError(worker_id, endpoint, "FAILED_PRECONDITION", str(e)) from None
 
-    def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
+    def submit(self, worker_id: str, request: ExpertRequest, timeout_s: float) -> PendingCall:
         try:
             peer = self._connection(worker_id)
             return _DistCall(peer, peer.submit(request), timeout_s)

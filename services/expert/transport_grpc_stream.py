@@ -19,8 +19,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
+from moemesh.expert.call import ExpertReply, ExpertRequest, reply_from_proto, request_to_proto
 from moemesh.expert.transport import ExpertCallError, FailedCall, PendingCall, PerWorkerTransport
-from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
+from moemesh.proto.v1 import expert_pb2_grpc
 
 _END = object()  # queue sentinel: close the request side
 
@@ -38,15 +39,16 @@ class _Stream:
         self._reader = threading.Thread(target=self._read, name=f"moemesh-expert-stream-{worker_id}", daemon=True)
         self._reader.start()
 
-    def submit(self, request: expert_pb2.RunExpertsRequest) -> Future:
+    def submit(self, request: ExpertRequest) -> Future:
+        message = request_to_proto(request)
         future: Future = Future()
         with self._lock:
             if self.closed:
                 future.set_exception(ExpertCallError(self.worker_id, self.endpoint, "UNAVAILABLE", "stream closed"))
                 return future
-            request.sequence_id = next(self._ids)
-            self._pending[request.sequence_id] = future
-        self._requests.put(request)
+            message.sequence_id = next(self._ids)
+            self._pending[message.sequence_id] = future
+        self._requests.put(message)
         return future
 
     def _read(self) -> None:
@@ -84,9 +86,9 @@ class _StreamCall:
     def __init__(self, future: Future, stream: _Stream, timeout_s: float, owner: GrpcStreamExpertTransport):
         self._future, self._stream, self._timeout_s, self._owner = future, stream, timeout_s, owner
 
-    def result(self) -> expert_pb2.RunExpertsResponse:
+    def result(self) -> ExpertReply:
         try:
-            return self._future.result(self._timeout_s)
+            return reply_from_proto(self._future.result(self._timeout_s))
         except FutureTimeout:
             self._owner.drop(self._stream)  # a hung peer: start over with a fresh stream
             raise ExpertCallError(self._stream.worker_id, self._stream.endpoint, "DEADLINE_EXCEEDED",
@@ -97,7 +99,7 @@ class GrpcStreamExpertTransport(PerWorkerTransport):
     def _open(self, channel: grpc.Channel, worker_id: str, endpoint: str) -> _Stream:
         return _Stream(channel, worker_id, endpoint)
 
-    def submit(self, worker_id: str, request: expert_pb2.RunExpertsRequest, timeout_s: float) -> PendingCall:
+    def submit(self, worker_id: str, request: ExpertRequest, timeout_s: float) -> PendingCall:
         try:
             stream = self._connection(worker_id)
         except ExpertCallError as e:

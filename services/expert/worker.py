@@ -46,6 +46,7 @@ from moemesh.engine.loader.build import DTYPES
 from moemesh.expert.dist_server import DistDataPlane
 from moemesh.expert.replicas import ReplicaStore
 from moemesh.expert.servicer import ExpertServicer
+from moemesh.expert.socket_server import SocketDataPlane
 from moemesh.expert.weights import MoEShape, read_expert_weights, read_moe_shape
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 from moemesh.worker.settings import WorkerSettings
@@ -86,6 +87,7 @@ class ExpertWorker:
         server, port = create_server(s.host, s.grpc_port, self.health)
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(self.servicer, server)
         self.servicer.data_plane = DistDataPlane(s.advertise_host, s.worker_id, self.servicer.answer_blocking)
+        self.servicer.socket_plane = SocketDataPlane(s.host, s.data_port, s.worker_id, self.servicer.answer_blocking)
         await self.health.set_serving(False)
         await server.start()
         metrics_server = None
@@ -219,6 +221,7 @@ class ExpertWorker:
             pass
         self.servicer.stop_streams()
         self.servicer.data_plane.close()
+        self.servicer.socket_plane.close()
         await server.stop(s.mesh.drain_s)  # in-flight calls finish (then are cancelled)
         await self.health.shutdown()
         self.servicer.close()

@@ -13,7 +13,7 @@ from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_
 
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
 # = moemesh.expert.transport.TRANSPORTS (no torch import here)
-EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist")
+EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist", "socket")
 EXPERT_DIST_BACKENDS = ("gloo", "nccl")  # = moemesh.expert.dist_group.BACKENDS
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.engine.config's dtypes (no torch import here)
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
@@ -129,6 +129,7 @@ class WorkerSettings:
     host: str = "0.0.0.0"  # bind address
     advertise_host: str = "127.0.0.1"  # what the registry publishes
     grpc_port: int = 50051
+    data_port: int = 0  # expert worker: the socket transport's listener (0: an ephemeral port)
     metrics_port: int | None = 9090  # None: no Prometheus endpoint
     min_remote_prefill_tokens: int = 64  # decode: prefill remotely only if this many are uncached
     kv_transfer_timeout_s: float = 30.0  # a remote prefill fails with no KV for this long, or after this ...
@@ -145,6 +146,7 @@ class WorkerSettings:
         check(bool(self.worker_id) and ":" not in self.worker_id, f"bad worker id {self.worker_id!r}")
         check(0 < self.kv_chunk_bytes <= 3 << 20, f"kv_chunk_bytes must be in (0, 3 MiB], got {self.kv_chunk_bytes}")
         check(self.min_remote_prefill_tokens >= 1, "min_remote_prefill_tokens must be >= 1")
+        check(0 <= self.data_port <= 65535, f"data port must be in [0, 65535], got {self.data_port}")
         spec = self.engine.speculation
         check(
             not (self.expert.remote and spec.method != "none" and spec.scheduling == "confidence"),
@@ -173,6 +175,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
         host=args.host or "0.0.0.0",
         advertise_host=args.advertise_host or env.get("POD_IP") or "127.0.0.1",
         grpc_port=pick(args.grpc_port, ports.get("grpc"), 50051),
+        data_port=pick(args.data_port, ports.get("data"), 0),
         metrics_port=metrics_port(args, config),
         min_remote_prefill_tokens=pick(args.min_remote_prefill_tokens, None, 64),
         kv_transfer_timeout_s=args.kv_transfer_timeout,
@@ -263,9 +266,17 @@ def add_worker_arguments(parser) -> None:
         default=None,
         choices=EXPERT_TRANSPORTS,
         help="prefill/decode: the expert data plane: one unary gRPC call per layer and worker, "
-        "a persistent bidirectional gRPC stream per expert worker (default), or a two-rank "
-        "torch.distributed group per expert worker (torch-dist); default: the config file's "
-        "expert_transport, else grpc-stream",
+        "a persistent bidirectional gRPC stream per expert worker (default), a two-rank "
+        "torch.distributed group per expert worker (torch-dist), or one TCP connection per expert "
+        "worker carrying raw tensor frames (socket); default: the config file's expert_transport, "
+        "else grpc-stream",
+    )
+    expert.add_argument(
+        "--data-port",
+        type=int,
+        default=None,
+        help="expert workers: the port of the socket transport's data connections (default: the config "
+        "file's ports.data, else any free port, announced through OpenDataPlane)",
     )
     expert.add_argument(
         "--expert-dist-backend",

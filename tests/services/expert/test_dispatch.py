@@ -15,7 +15,7 @@ from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor
 from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
-from moemesh.expert.servicer import CallError, parse_call
+from moemesh.expert.servicer import CallError, decode_request, parse_call
 from moemesh.expert.wire import tensor_to_proto
 from moemesh.proto.v1 import expert_pb2
 
@@ -206,7 +206,7 @@ def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_s
         fields = dict(layer=0, placement_version=1, hidden_states=x,
                       group_slots=[0], group_experts=[0], group_rows=[2], row_ids=[0, 1]) | kw  # fmt: skip
         with pytest.raises(CallError) as info:
-            parse_call(store, expert_pb2.RunExpertsRequest(**fields))
+            parse_call(store, decode_request(expert_pb2.RunExpertsRequest(**fields)))  # the gRPC paths' check
         return info.value.code, str(info.value)
 
     assert call(placement_version=9)[0] == grpc.StatusCode.FAILED_PRECONDITION

@@ -32,6 +32,10 @@ def settings_from_manifests(role: str, tmp_path, pod_name: str, **extra):
 def test_an_expert_pod_is_an_expert_worker_named_after_its_pod(tmp_path):
     settings = settings_from_manifests("expert", tmp_path, "m-expert-1")
     assert (settings.role, settings.worker_id, settings.endpoint) == ("expert", "m-expert-1", "10.0.0.7:50051")
+    assert settings.data_port == manifests.DATA_PORT  # the socket transport's port, open in the pod spec
+    workload = manifests.workload(parse_spec(SPEC, "img"), "m", "ns", "uid", "expert", 1, None)
+    ports = workload["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "data", "containerPort": manifests.DATA_PORT, "protocol": "TCP"} in ports
     assert settings.mesh.mesh == "ns/m" and settings.expert.remote is False
     assert manifests.expert_worker_ids("m", 2) == ["m-expert-0", "m-expert-1"]
 
@@ -40,7 +44,7 @@ def test_decode_pods_of_a_mesh_with_expert_workers_run_their_experts_remotely(tm
     assert settings_from_manifests("decode", tmp_path, "m-decode-abc").expert.remote is True
 
 
-@pytest.mark.parametrize("transport", ["grpc", "grpc-stream", "torch-dist"])
+@pytest.mark.parametrize("transport", ["grpc", "grpc-stream", "torch-dist", "socket"])
 def test_prefill_and_decode_pods_use_the_mesh_expert_transport(tmp_path, transport):
     for role in ("prefill", "decode"):
         settings = settings_from_manifests(role, tmp_path, f"m-{role}-abc", expertTransport=transport)

@@ -1,6 +1,7 @@
-"""The ExpertTransport contract, for every transport (grpc, grpc-stream, torch-dist), against an
-in-process expert side: a real grpc.aio server answering RunExperts, RunExpertsStream and
-OpenDataPlane (through the real `DistDataPlane`: gloo groups over loopback). The replies come
+"""The ExpertTransport contract, for every transport (grpc, grpc-stream, torch-dist, socket),
+against an in-process expert side: a real grpc.aio server answering RunExperts, RunExpertsStream
+and OpenDataPlane (through the real `DistDataPlane`: gloo groups over loopback, and the real
+`SocketDataPlane`: raw frames over loopback TCP). The replies come
 from a stand-in `answer` (2 * hidden_states), so the tests see the transport alone: replies
 matched to calls in any collection order, refused requests, a hung peer (deadline, then a fresh
 stream or group), a worker not in the registry or not listening. Whole meshes over each
@@ -12,35 +13,37 @@ import asyncio
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
+from moemesh.expert.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
 from moemesh.expert.dist_server import DistDataPlane
+from moemesh.expert.socket_server import SocketDataPlane
 from moemesh.expert.transport import ExpertCallError, make_transport
-from moemesh.expert.wire import tensor_from_proto, tensor_to_proto
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
 
 class _Servicer(expert_pb2_grpc.ExpertWorkerServicer):
-    def __init__(self, plane_factory):
-        self.plane: DistDataPlane | None = None
-        self.opened: list[str] = []  # torch-dist sessions and grpc-stream streams, in order
-        self._plane_factory = plane_factory
+    def __init__(self, dist_plane, socket_plane):
+        self.planes = {"socket": socket_plane, "dist": dist_plane}  # factories, then the planes
+        self.opened: list[str] = []  # torch-dist / socket sessions and grpc-stream streams, in order
         self.hang = asyncio.Event()  # set: answers wait for `release`
         self.release = asyncio.Event()
 
     async def OpenDataPlane(self, request, context):
-        if self.plane is None:
-            self.plane = self._plane_factory()
+        family = "socket" if request.backend == "socket" else "dist"
+        if callable(self.planes[family]):
+            self.planes[family] = self.planes[family]()
         try:
-            port = await asyncio.to_thread(self.plane.open, request.session, request.backend)
+            port = await asyncio.to_thread(self.planes[family].open, request.session, request.backend)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.opened.append(request.session)
         return expert_pb2.OpenDataPlaneResponse(store_port=port)
 
     async def RunExperts(self, request, context):
-        reply = await self.answer(request)
+        reply = await self.answer_message(request)
         if reply.error_code:
             await context.abort(grpc.StatusCode[reply.error_code], reply.error)
         return reply
@@ -48,16 +51,23 @@ class _Servicer(expert_pb2_grpc.ExpertWorkerServicer):
     async def RunExpertsStream(self, requests, context):
         self.opened.append("stream")
         async for request in requests:
-            yield await self.answer(request)
+            yield await self.answer_message(request)
 
-    async def answer(self, request: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+    async def answer(self, request: ExpertRequest) -> ExpertReply:
+        """2 * hidden_states; CallError for a negative layer (a refused request)."""
         if self.hang.is_set():
             await self.release.wait()
         if request.layer < 0:
-            return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, error_code="INVALID_ARGUMENT",
-                                                 error=f"layer {request.layer}")  # fmt: skip
-        x = tensor_from_proto(request.hidden_states)
-        return expert_pb2.RunExpertsResponse(sequence_id=request.sequence_id, outputs=tensor_to_proto(2 * x))
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer}")
+        return ExpertReply(2 * request.hidden_states)
+
+    async def answer_message(self, message: expert_pb2.RunExpertsRequest) -> expert_pb2.RunExpertsResponse:
+        try:
+            reply = reply_to_proto(await self.answer(request_from_proto(message)))
+        except CallError as e:
+            reply = expert_pb2.RunExpertsResponse(error_code=e.code.name, error=str(e))
+        reply.sequence_id = message.sequence_id
+        return reply
 
 
 @pytest.fixture
@@ -67,10 +77,11 @@ def expert_side():
     holder: dict = {}
 
     async def serve():
-        def answer_blocking(request):  # the servicer's blocking path: on the group's thread
+        def answer_blocking(request):  # the servicer's blocking path: on the group's / connection's thread
             return asyncio.run_coroutine_threadsafe(servicer.answer(request), loop).result()
 
-        servicer = _Servicer(lambda: DistDataPlane("127.0.0.1", "expert-0", answer_blocking))
+        servicer = _Servicer(lambda: DistDataPlane("127.0.0.1", "expert-0", answer_blocking),
+                             lambda: SocketDataPlane("127.0.0.1", 0, "expert-0", answer_blocking))  # fmt: skip
         server = grpc.aio.server()
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
         holder["port"] = server.add_insecure_port("127.0.0.1:0")
@@ -78,6 +89,8 @@ def expert_side():
         holder.update(servicer=servicer, server=server, stop=asyncio.Event())
         started.set()
         await holder["stop"].wait()
+        if not callable(servicer.planes["socket"]):
+            servicer.planes["socket"].close()
         await server.stop(0)
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
@@ -89,13 +102,14 @@ def expert_side():
     thread.join(60)
 
 
-def request(layer: int, rows: int, seed: int) -> expert_pb2.RunExpertsRequest:
+def request(layer: int, rows: int, seed: int) -> ExpertRequest:
     x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed))
-    return expert_pb2.RunExpertsRequest(layer=layer, hidden_states=tensor_to_proto(x))
+    none = np.zeros(0, dtype=np.int32)
+    return ExpertRequest(layer, 1, x, none, none, none, none)
 
 
-TRANSPORTS = ["grpc", "grpc-stream", "torch-dist"]
-KEEPS_A_CONNECTION = {"grpc-stream", "torch-dist"}  # one stream / group per expert worker
+TRANSPORTS = ["grpc", "grpc-stream", "torch-dist", "socket"]
+KEEPS_A_CONNECTION = {"grpc-stream", "torch-dist", "socket"}  # one stream / group / connection per expert worker
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -115,10 +129,9 @@ def transport(expert_side, kind):
 def test_replies_reach_their_calls_in_any_collection_order(expert_side, kind, transport):
     servicer, _, _ = expert_side
     requests = [request(0, rows, seed) for seed, rows in enumerate([3, 64, 1, 17])]
-    inputs = [tensor_from_proto(r.hidden_states) for r in requests]
     calls = [transport.submit("expert-0", r, timeout_s=60) for r in requests]
     for i in (2, 0, 3, 1):  # not the order sent
-        assert torch.equal(tensor_from_proto(calls[i].result().outputs), 2 * inputs[i])
+        assert torch.equal(calls[i].result().outputs, 2 * requests[i].hidden_states)
     assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)  # one stream / group carried them all
 
 
@@ -127,7 +140,7 @@ def test_a_refused_request_raises_its_code_and_the_connection_stays_open(expert_
     with pytest.raises(ExpertCallError) as refused:
         transport.submit("expert-0", request(-1, 2, 0), timeout_s=60).result()
     assert refused.value.code == "INVALID_ARGUMENT" and "layer -1" in refused.value.details
-    assert transport.submit("expert-0", request(0, 2, 1), timeout_s=60).result().outputs.shape == [2, 16]
+    assert transport.submit("expert-0", request(0, 2, 1), timeout_s=60).result().outputs.shape == (2, 16)
     assert len(servicer.opened) == (kind in KEEPS_A_CONNECTION)
 
 
@@ -143,9 +156,8 @@ def test_a_hung_peer_misses_the_deadline_and_the_next_call_starts_afresh(expert_
         second.result()
     loop.call_soon_threadsafe(servicer.hang.clear)
     loop.call_soon_threadsafe(servicer.release.set)
-    x = tensor_from_proto(request(0, 5, 3).hidden_states)
     reply = transport.submit("expert-0", request(0, 5, 3), timeout_s=60).result()
-    assert torch.equal(tensor_from_proto(reply.outputs), 2 * x)
+    assert torch.equal(reply.outputs, 2 * request(0, 5, 3).hidden_states)
     assert len(servicer.opened) == 2 * (kind in KEEPS_A_CONNECTION)
 
 
@@ -161,7 +173,9 @@ def test_open_data_plane_refuses_a_reused_session_or_an_unknown_backend(expert_s
     with grpc.insecure_channel(endpoint) as channel:
         stub = expert_pb2_grpc.ExpertWorkerStub(channel)
         stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session="taken", backend="gloo"), timeout=30)
-        cases = (("s", "mpi", "backend"), ("", "gloo", "session name"), ("taken", "gloo", "already open"))
+        stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session="taken", backend="socket"), timeout=30)
+        cases = (("s", "mpi", "backend"), ("", "gloo", "session name"), ("taken", "gloo", "already open"),
+                 ("", "socket", "session name"), ("taken", "socket", "already open"))  # fmt: skip
         for session, backend, message in cases:
             with pytest.raises(grpc.RpcError) as refused:
                 stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session=session, backend=backend), timeout=30)

@@ -1,4 +1,4 @@
-"""The streaming expert transports (`--expert-transport grpc-stream | torch-dist`) through a local
+"""The streaming expert transports (`--expert-transport grpc-stream | torch-dist | socket`) through a local
 cluster with two expert workers on a tiny random DeepSeek-V3 checkpoint (MLA, grouped routing, a
 shared expert): greedy outputs equal the in-process engine with local experts and Hugging Face; a live placement change and a
 killed expert worker (every expert replicated on both workers) fail no request. One cluster per
@@ -30,7 +30,7 @@ from .expert_helpers import (
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # the streaming data planes; the unary `grpc` transport meets the same contract in
 # test_transport_contract.py (a third cluster here would cost a minute of the suite)
-TRANSPORTS = ["grpc-stream", "torch-dist"]
+TRANSPORTS = ["grpc-stream", "torch-dist", "socket"]
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

@@ -1,0 +1,172 @@
+"""The socket transport's wire: frames carry requests and replies exactly (every dtype, empty
+arrays, errors), refuse headers that do not parse, a drained write cannot deadlock against a peer
+that writes at the same time, and the expert side closes connections that name no opened session
+or send garbage while it keeps serving the others."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from moemesh.expert.call import CallError, ExpertReply, ExpertRequest
+from moemesh.expert.frame_socket import FrameSocket
+from moemesh.expert.frames import (
+    MAX_PAYLOAD_BYTES,
+    REPLY,
+    REQUEST,
+    REQUEST_MAGIC,
+    FrameError,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+    parse_reply_header,
+    parse_request_header,
+    status_name,
+)
+from moemesh.expert.socket_server import SocketDataPlane, encode_hello
+
+
+def joined(buffers) -> bytearray:
+    return bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in buffers))
+
+
+def round_trip_request(sequence_id: int, request: ExpertRequest) -> tuple[int, ExpertRequest]:
+    data = joined(encode_request(sequence_id, request))
+    header = parse_request_header(data[: REQUEST.size])
+    assert len(data) == REQUEST.size + header.payload_bytes
+    return header.sequence_id, decode_request(header, data[REQUEST.size :])
+
+
+def random_request(dtype: torch.dtype, num_tokens: int, weights: bool, seed: int = 0) -> ExpertRequest:
+    gen = np.random.default_rng(seed)
+    x = torch.randn(num_tokens, 24, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    sizes = gen.integers(0, 4, size=5).astype(np.int32)
+    row_ids = gen.integers(0, max(num_tokens, 1), size=int(sizes.sum())).astype(np.int32)
+    w = torch.from_numpy(gen.random(row_ids.size).astype(np.float32)) if weights else None
+    return ExpertRequest(3, 2**40 + 7, x, np.arange(5, dtype=np.int32) * 3, np.arange(5, dtype=np.int32) + 100,
+                         sizes, row_ids, w)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens, weights", [(7, True), (7, False), (0, True)])
+def test_a_request_frame_carries_every_field_exactly(dtype, num_tokens, weights):
+    sent = random_request(dtype, num_tokens, weights)
+    sequence_id, got = round_trip_request(2**63 + 5, sent)
+    assert sequence_id == 2**63 + 5
+    assert (got.layer, got.placement_version) == (sent.layer, sent.placement_version)
+    assert got.hidden_states.dtype == dtype and torch.equal(got.hidden_states, sent.hidden_states)
+    for name in ("group_slots", "group_experts", "group_rows", "row_ids"):
+        assert getattr(got, name).tolist() == getattr(sent, name).tolist(), name
+    if weights:
+        assert torch.equal(got.entry_weights, sent.entry_weights)
+    else:
+        assert got.entry_weights is None
+
+
+def test_reply_frames_carry_outputs_exactly_and_errors_with_their_status():
+    y = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
+    data = joined(encode_reply(9, ExpertReply(y, compute_s=0.25)))
+    header = parse_reply_header(data[: REPLY.size])
+    reply = decode_reply(header, data[REPLY.size :])
+    assert (header.sequence_id, header.status, reply.compute_s) == (9, 0, 0.25) and torch.equal(reply.outputs, y)
+    data = joined(encode_error(10, grpc.StatusCode.FAILED_PRECONDITION, "placement 3 is not loaded"))
+    header = parse_reply_header(data[: REPLY.size])
+    assert (header.sequence_id, status_name(header)) == (10, "FAILED_PRECONDITION")
+    assert bytes(data[REPLY.size :]).decode() == "placement 3 is not loaded"
+
+
+def test_headers_that_do_not_parse_are_refused():
+    good = joined(encode_request(1, random_request(torch.float32, 3, True)))[: REQUEST.size]
+    with pytest.raises(FrameError, match="not a request frame"):
+        parse_request_header(b"XXXX" + good[4:])
+    with pytest.raises(FrameError, match="unknown dtype code 9"):
+        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 9, 1, 1, 8, 0, 0))
+    with pytest.raises(FrameError, match="announces sizes"):
+        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 1, 1, -1, 8, 0, 0))
+    with pytest.raises(FrameError, match="announces sizes"):  # more than a frame may carry
+        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 1, 0, 2**16, MAX_PAYLOAD_BYTES // 2**16, 0, 0))
+    with pytest.raises(FrameError, match="not a reply frame"):
+        parse_reply_header(good[: REPLY.size])
+
+
+def test_a_drained_write_never_deadlocks_against_a_peer_writing_at_the_same_time():
+    """Each side writes 16 MB before it reads (ping-pong: a second request while the first
+    reply is being written); the kernel buffers hold far less, so without draining both block."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        b = FrameSocket(socket.create_connection(listener.getsockname()))
+        a = FrameSocket(listener.accept()[0])
+    size = 16 << 20
+    payload_a, payload_b = np.full(size, 1, np.uint8), np.full(size, 2, np.uint8)
+    got: dict = {}
+
+    def side_b():  # the attention side: a plain write, then a read
+        b.send([payload_b])
+        got["b"] = b.read_exact(size)
+
+    thread = threading.Thread(target=side_b, daemon=True)
+    thread.start()
+    a.send([payload_a], drain=True)  # the expert side: reads ahead while b's window is full
+    got["a"] = a.read_exact(size)  # what it read ahead comes first
+    thread.join(120)
+    assert not thread.is_alive(), "the two writers deadlocked"
+    assert bytes(got["a"]) == payload_b.tobytes() and bytes(got["b"]) == payload_a.tobytes()
+    a.close()
+    b.close()
+
+
+def test_the_expert_side_closes_connections_without_a_session_or_with_garbage_and_serves_the_rest():
+    def answer(request: ExpertRequest) -> ExpertReply:
+        if request.layer < 0:
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "bad layer")
+        return ExpertReply(request.hidden_states.float() + 1)
+
+    plane = SocketDataPlane("127.0.0.1", 0, "expert-0", answer)
+    try:
+        port = plane.open("s-good")
+        plane.open("s-garbage")
+
+        def connect(session: str | None) -> FrameSocket:
+            connection = FrameSocket(socket.create_connection(("127.0.0.1", port), timeout=60))
+            if session is not None:
+                connection.send(encode_hello(session))
+            return connection
+
+        for session in ("never-opened", None):  # no hello: garbage where the hello should be
+            stranger = connect(session)
+            if session is None:
+                stranger.send([b"GET / HTTP/1.1\r\n\r\n"])
+            with pytest.raises(ConnectionError):
+                stranger.read_exact(1)
+            stranger.close()
+        garbage = connect("s-garbage")
+        garbage.send([b"\0" * REQUEST.size])
+        with pytest.raises(ConnectionError):
+            garbage.read_exact(1)
+        garbage.close()
+        good = connect("s-good")
+        request = random_request(torch.bfloat16, 4, True)
+        good.send(encode_request(1, ExpertRequest(-1, 1, request.hidden_states, *[np.zeros(0, np.int32)] * 4)))
+        good.send(encode_request(2, request))
+        for sequence_id in (1, 2):
+            header = parse_reply_header(good.read_exact(REPLY.size))
+            payload = good.read_exact(header.payload_bytes)
+            assert header.sequence_id == sequence_id
+            if sequence_id == 1:
+                assert status_name(header) == "INVALID_ARGUMENT" and bytes(payload) == b"bad layer"
+            else:
+                assert torch.equal(decode_reply(header, payload).outputs, request.hidden_states.float() + 1)
+        plane.close()  # stops reading: the open connection ends
+        with pytest.raises(ConnectionError):
+            good.read_exact(1)
+        good.close()
+        with pytest.raises(ValueError, match="stopping"):
+            plane.open("late")
+    finally:
+        plane.close()
