@@ -2,8 +2,9 @@
 
 An *entry* is one (token, top-k slot) pair of the layer: num_tokens * top_k of them, flattened
 token-major. Gating gives each entry a logical expert, the placement a replica (slot). The plan
-sorts the entries by replica (stable, so tokens stay ascending within a replica: the order the
-local grouped GEMM uses) and splits them by the replica's owning worker. Each worker receives
+sorts the entries by (owning worker, replica) (stable, so tokens stay ascending within a replica:
+the order the local grouped GEMM uses) and cuts them into one contiguous run per worker
+(`split_by_worker`); `group_by_worker` does the same for entries in any order (re-dispatch). Each worker receives
 the hidden states of the tokens it needs once, the entries as row indices grouped by replica with
 their gate weights, and returns its weighted partial sum per token (the combine runs on the expert
 side; the remote executor adds the partials).
@@ -39,7 +40,7 @@ class WorkerBatch:
 
 @dataclass(frozen=True)
 class SortedEntries:
-    """A layer's entries sorted by replica id (stable)."""
+    """A layer's entries sorted by (owning worker, replica id), stable."""
 
     replicas: np.ndarray  # [num_entries] replica of each sorted entry
     experts: np.ndarray  # [num_entries] logical expert of each sorted entry
@@ -47,11 +48,47 @@ class SortedEntries:
     order: np.ndarray  # [num_entries] index of each sorted entry in the flat [num_tokens * top_k]
 
 
-def sort_entries(replica_ids: np.ndarray, topk_ids: np.ndarray) -> SortedEntries:  # both [num_tokens, top_k]
-    top_k = replica_ids.shape[1]
+def sort_entries(
+    replica_ids: np.ndarray,  # [num_tokens, top_k]
+    topk_ids: np.ndarray,  # [num_tokens, top_k]
+    slot_owner: np.ndarray,  # [num_slots] worker index of each slot
+) -> SortedEntries:
+    top_k, num_slots = replica_ids.shape[1], slot_owner.size
     flat = replica_ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
+    order = np.argsort(slot_owner[flat] * num_slots + flat, kind="stable")
     return SortedEntries(flat[order], topk_ids.reshape(-1)[order], order // top_k, order)
+
+
+def split_by_worker(entries: SortedEntries, slot_owner: np.ndarray, num_tokens: int) -> list[WorkerBatch]:
+    """`group_by_worker` of all the entries in their sorted order (positions 0..n-1), without
+    re-sorting: each worker's entries are one run, each replica's a run inside it."""
+    replicas = entries.replicas
+    if replicas.size == 0:
+        return []
+    group_starts = np.flatnonzero(np.diff(replicas, prepend=-1))  # [num_groups] first entry of each replica
+    group_sizes = np.diff(group_starts, append=replicas.size)
+    group_owners = slot_owner[replicas[group_starts]]
+    worker_starts = np.flatnonzero(np.diff(group_owners, prepend=-1)).tolist()  # first group of each worker
+    bounds = [*group_starts[worker_starts].tolist(), replicas.size]  # entry range of each worker
+    batches = []
+    for i, (first, last) in enumerate(zip(worker_starts, [*worker_starts[1:], group_starts.size])):
+        begin, end = bounds[i], bounds[i + 1]
+        token_ids, row_ids = token_rows(entries.tokens[begin:end], num_tokens)
+        starts = group_starts[first:last]
+        batches.append(WorkerBatch(
+            worker=int(group_owners[first]), positions=np.arange(begin, end), token_ids=token_ids, row_ids=row_ids,
+            slots=replicas[starts], experts=entries.experts[starts], group_sizes=group_sizes[first:last],
+        ))  # fmt: skip
+    return batches
+
+
+def token_rows(tokens: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct tokens ascending, the row of each entry among them): `np.unique(tokens,
+    return_inverse=True)` for tokens in [0, num_tokens), by counting instead of sorting."""
+    present = np.bincount(tokens, minlength=num_tokens) > 0
+    if present.all():
+        return np.arange(num_tokens), tokens
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[tokens]
 
 
 def group_by_worker(

@@ -40,7 +40,14 @@ from moemesh.common.placement import Placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import CompletedExperts, ExpertExecutor, ExpertHandle, ExpertPlacement
 from moemesh.expert.call import ExpertRequest
-from moemesh.expert.dispatch_plan import WorkerBatch, gather_rows, group_by_worker, reroute, sort_entries
+from moemesh.expert.dispatch_plan import (
+    WorkerBatch,
+    gather_rows,
+    group_by_worker,
+    reroute,
+    sort_entries,
+    split_by_worker,
+)
 from moemesh.expert.transport import ExpertCallError, ExpertTransport
 from moemesh.expert.wire import WireError
 
@@ -63,7 +70,8 @@ class _RemoteHandle(ExpertHandle):
     def __init__(self, layer, placement, entries, replicas, x, weights, batches, calls, out, like):
         self.layer, self.placement, self.entries, self.replicas = layer, placement, entries, replicas
         self.x, self.weights, self.batches, self.calls = x, weights, batches, calls
-        self.out = out  # [num_tokens, hidden] float32, the sum of the partials
+        self.out = out  # [num_tokens, hidden] float32, the sum of the partials (None until the first reply)
+        self.out_is_reply = False  # out is a reply's own tensor (not ours to write or return)
         self.like = like  # the layer input: output device and dtype
 
 
@@ -154,52 +162,58 @@ class RemoteExpertExecutor(ExpertExecutor):
         placement = self.placement
         num_tokens = hidden_states.shape[0]
         replica_ids = placement.replica_ids(layer, topk_ids).cpu().numpy()  # [num_tokens, top_k]
-        entries = sort_entries(replica_ids, topk_ids.cpu().numpy())
+        entries = sort_entries(replica_ids, topk_ids.cpu().numpy(), placement.slot_owner)
         replicas = entries.replicas
         slot_down = self._slot_down(placement)
         if slot_down.any():  # route around workers that failed recently (stranded entries try anyway)
             replicas, _ = reroute(replicas, entries.experts, slot_down, placement.log2phy_np[layer],
                                   placement.replica_counts_np[layer])  # fmt: skip
+            batches = group_by_worker(replicas, entries.experts, entries.tokens, np.arange(replicas.size),
+                                      placement.slot_owner)  # fmt: skip
+        else:
+            batches = split_by_worker(entries, placement.slot_owner, num_tokens)
         x = hidden_states.detach().cpu()  # [num_tokens, hidden]
         weights = topk_weights.detach().cpu().float().reshape(-1)[torch.from_numpy(entries.order)]  # [num_entries]
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32)  # [num_tokens, hidden]: sum of the partials
-        positions = np.arange(replicas.size)
-        batches = group_by_worker(replicas, entries.experts, entries.tokens, positions, placement.slot_owner)
         calls = self._send(layer, placement, x, weights, batches)
-        return _RemoteHandle(layer, placement, entries, replicas, x, weights, batches, calls, out, hidden_states)
+        return _RemoteHandle(layer, placement, entries, replicas, x, weights, batches, calls, None, hidden_states)
 
     def _wait(self, h: _RemoteHandle) -> torch.Tensor:
         calls = h.calls
         for _ in range(len(h.placement.worker_ids)):  # each round marks at least one more worker down
-            failed = self._gather(h.placement, h.x, calls, h.out)
+            failed = self._gather(h, calls)
             if not failed:
                 break
             batches = self._redispatch(h.layer, h.placement, h.entries, h.replicas, failed)
             calls = self._send(h.layer, h.placement, h.x, h.weights, batches)
         else:
             raise ExpertUnavailableError(f"MoE layer {h.layer}: no expert worker answered after re-dispatching")
-        return h.out.to(device=h.like.device, dtype=h.like.dtype)
+        if h.out is None:  # no tokens were routed anywhere (cannot happen with top_k >= 1)
+            h.out = torch.zeros(h.x.shape, dtype=torch.float32)
+        return h.out.to(device=h.like.device, dtype=h.like.dtype, copy=h.out_is_reply)
 
     def _send(self, layer, placement: RemotePlacement, x, weights, batches: list[WorkerBatch]) -> list:
         calls = []
         for batch in batches:
+            rows = x if batch.token_ids.size == x.shape[0] else gather_rows(x, batch.token_ids)  # all tokens: as is
             request = ExpertRequest(
-                layer, placement.version, gather_rows(x, batch.token_ids), batch.slots.astype(np.int32),
-                batch.experts.astype(np.int32), batch.group_sizes.astype(np.int32), batch.row_ids.astype(np.int32),
+                layer, placement.version, rows, batch.slots.astype(np.int32), batch.experts.astype(np.int32),
+                batch.group_sizes.astype(np.int32), batch.row_ids.astype(np.int32),
                 weights[torch.from_numpy(batch.positions)],
             )  # fmt: skip
             self.num_bytes_sent += request.hidden_states.nbytes + request.entry_weights.nbytes
             calls.append((batch, self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)))
         return calls
 
-    def _gather(self, placement: RemotePlacement, x, calls: list, out) -> list:
-        failed, slowest = [], 0.0
+    def _gather(self, h: _RemoteHandle, calls: list) -> list:
+        """Adds each reply's partial into `h.out` (worker order); returns the failed calls. A
+        first partial that covers every token becomes the sum itself (0 + y is y: same sum)."""
+        failed, slowest, num_tokens = [], 0.0, h.x.shape[0]
         for batch, call in calls:
-            worker_id = placement.worker_ids[batch.worker]
+            worker_id = h.placement.worker_ids[batch.worker]
             try:
                 reply = call.result()
                 y = reply.outputs
-                expected = (batch.token_ids.size, x.shape[1])
+                expected = (batch.token_ids.size, h.x.shape[1])
                 if tuple(y.shape) != expected or y.dtype != torch.float32:
                     raise WireError(f"outputs are {y.dtype} {list(y.shape)}, expected float32 {list(expected)}")
             except (ExpertCallError, WireError) as e:
@@ -209,7 +223,14 @@ class RemoteExpertExecutor(ExpertExecutor):
             self.num_bytes_received += y.nbytes
             slowest = max(slowest, reply.compute_s)
             self._down_until.pop(worker_id, None)
-            out.index_add_(0, torch.from_numpy(batch.token_ids), y)  # this worker's partial of each of its tokens
+            if h.out is None and batch.token_ids.size == num_tokens:
+                h.out, h.out_is_reply = y, True  # the transport's buffer: copied before it is returned or added to
+                continue
+            if h.out is None:
+                h.out = torch.zeros(num_tokens, h.x.shape[1], dtype=torch.float32)
+            elif h.out_is_reply:
+                h.out, h.out_is_reply = h.out.clone(), False
+            h.out.index_add_(0, torch.from_numpy(batch.token_ids), y)  # this worker's partial of each of its tokens
         self.compute_s += slowest
         return failed
 

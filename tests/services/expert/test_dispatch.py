@@ -13,7 +13,7 @@ import torch
 from moemesh.common.placement import Placement, make_placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor
-from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries
+from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries, split_by_worker
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
 from moemesh.expert.servicer import CallError, decode_request, parse_call
 from moemesh.expert.wire import tensor_to_proto
@@ -188,13 +188,39 @@ def test_reroute_spreads_moved_entries_over_the_live_replicas():
 
 def test_worker_batches_send_each_token_once_and_group_entries_by_replica():
     replica_ids = np.array([[0, 3], [3, 1], [2, 0]])  # 3 tokens, top-2; slots 0, 1 on worker 0, slots 2, 3 on worker 1
-    entries = sort_entries(replica_ids, replica_ids)
-    batches = group_by_worker(entries.replicas, entries.experts, entries.tokens, np.arange(6), np.array([0, 0, 1, 1]))
-    w0, w1 = batches
-    assert w0.token_ids.tolist() == [0, 1, 2] and w0.slots.tolist() == [0, 1] and w0.group_sizes.tolist() == [2, 1]
-    assert w0.token_ids[w0.row_ids].tolist() == [0, 2, 1]
-    assert w1.token_ids.tolist() == [0, 1, 2] and w1.slots.tolist() == [2, 3]
-    assert w1.token_ids[w1.row_ids].tolist() == [2, 0, 1]
+    owner = np.array([0, 0, 1, 1])
+    entries = sort_entries(replica_ids, replica_ids, owner)
+    for batches in (group_by_worker(entries.replicas, entries.experts, entries.tokens, np.arange(6), owner),
+                    split_by_worker(entries, owner, num_tokens=3)):  # fmt: skip
+        w0, w1 = batches
+        assert w0.token_ids.tolist() == [0, 1, 2] and w0.slots.tolist() == [0, 1] and w0.group_sizes.tolist() == [2, 1]
+        assert w0.token_ids[w0.row_ids].tolist() == [0, 2, 1]
+        assert w1.token_ids.tolist() == [0, 1, 2] and w1.slots.tolist() == [2, 3]
+        assert w1.token_ids[w1.row_ids].tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_presorted_split_equals_the_general_grouping_for_any_slot_ownership(seed):
+    """split_by_worker (runs of the (worker, replica) sort, tokens by counting) against
+    group_by_worker (its own sort and np.unique), with workers owning interleaved slots, tokens
+    that reach only some workers, and workers that get nothing."""
+    rng = np.random.default_rng(seed)
+    num_tokens, top_k, num_slots = int(rng.integers(1, 40)), int(rng.integers(1, 9)), int(rng.integers(8, 40))
+    num_workers = int(rng.integers(1, 6))
+    owner = rng.integers(0, num_workers, num_slots)  # not contiguous
+    replica_ids = np.stack([rng.choice(num_slots, top_k, replace=False) for _ in range(num_tokens)])
+    experts = replica_ids % 7
+    entries = sort_entries(replica_ids, experts, owner)
+    assert np.array_equal(entries.replicas, replica_ids.reshape(-1)[entries.order])
+    assert np.all(np.diff(owner[entries.replicas]) >= 0)  # worker-major
+    expected = group_by_worker(
+        entries.replicas, entries.experts, entries.tokens, np.arange(entries.replicas.size), owner
+    )
+    got = split_by_worker(entries, owner, num_tokens)
+    assert [b.worker for b in got] == [b.worker for b in expected]
+    for a, b in zip(got, expected, strict=True):
+        for field in ("positions", "token_ids", "row_ids", "slots", "experts", "group_sizes"):
+            assert np.array_equal(getattr(a, field), getattr(b, field)), field
 
 
 def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_status():
