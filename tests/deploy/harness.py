@@ -141,7 +141,7 @@ async def operator_on(emulator, config: OperatorConfig, namespace: str):
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=30)
+            await asyncio.wait_for(task, timeout=120)
 
 
 def live(emulator, resource: str, namespace: str, name: str) -> dict | None:
