@@ -26,6 +26,13 @@ gRPC/asyncio overhead), "dispatcher CPU" = the rest (grouping, serialization, co
 bytes/token = request + reply tensor payload per token over all MoE layers. Outputs are checked
 to be identical to the local run (greedy tokens).
 
+`--busy-poll S` (the socket transport's `--expert-busy-poll`, both sides): a wait polls this long
+before it blocks. A vCPU that idles through the expert's compute comes back with cold caches
+(measured on a 2-vCPU KVM guest: dispatch planning of 32x8 entries 37 us warm, ~390 us after a
+20 ms sleep, ~58 us after a 20 ms busy spin), so blocking makes the CPU work around each call
+several times slower. Same machine, x1 socket, 2 MoE layers: floor 0.15 -> 0.04 ms and overhead
+1.64 -> 1.21 ms/layer with `--busy-poll 0` -> `0.05`.
+
 Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
 to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.
 """
@@ -52,6 +59,7 @@ from moemesh.expert.call import ExpertRequest  # noqa: E402
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
 from moemesh.expert.transport import TRANSPORTS, ExpertCallError, make_transport  # noqa: E402
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
+from moemesh.worker.settings import ExpertSettings  # noqa: E402
 
 
 def build_checkpoint(path: str, args) -> None:
@@ -145,10 +153,11 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | 
     return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts), overhead[mid]
 
 
-def transport_floor(kind: str, worker_id: str, endpoint: str, version: int, repeats: int = 200) -> float:
+def transport_floor(kind: str, worker_id: str, endpoint: str, version: int, busy_poll_s: float,
+                    repeats: int = 200) -> float:  # fmt: skip
     """Median round trip of an empty request over `kind` (refused after the placement lookup, as
     its hidden width is wrong: still a full trip through the transport and the worker's parse)."""
-    transport = make_transport(kind, {worker_id: endpoint})
+    transport = make_transport(kind, {worker_id: endpoint}, busy_poll_s=busy_poll_s)
     times = []
     try:
         for _ in range(repeats):
@@ -186,6 +195,12 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of each expert worker")
+    p.add_argument(
+        "--busy-poll",
+        type=float,
+        default=ExpertSettings.busy_poll_s,
+        help="socket transport: seconds both sides poll before a wait blocks (--expert-busy-poll; 0: block at once)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(1)
@@ -205,7 +220,8 @@ def main() -> None:
                      f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes", *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
         for num_workers in args.workers:
             spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
-                               num_threads=args.threads, log_dir=tmp)  # fmt: skip
+                               num_threads=args.threads, log_dir=tmp,
+                               expert_args=("--expert-busy-poll", str(args.busy_poll)))  # fmt: skip
             cluster = LocalCluster(spec)
             try:
                 from moemesh.launcher.local_cluster import RedisServer
@@ -218,10 +234,10 @@ def main() -> None:
                 client.close()
                 endpoints = {s.name: s.grpc_endpoint for s in cluster.services.values()}
                 first = next(iter(endpoints))
-                floors = {kind: transport_floor(kind, first, endpoints[first], placement.version)
+                floors = {kind: transport_floor(kind, first, endpoints[first], placement.version, args.busy_poll)
                           for kind in args.transports}  # fmt: skip
                 for kind, overlap in itertools.product(args.transports, args.overlap):
-                    waits = WaitTimed(make_transport(kind, endpoints))
+                    waits = WaitTimed(make_transport(kind, endpoints, busy_poll_s=args.busy_poll))
                     remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
                     model.set_expert_executor(Timed(remote))
                     llm.engine.runner.micro_batch_overlap = {"on": True, "off": False, "auto": None}[overlap]

@@ -74,7 +74,9 @@ class RemoteExperts:
             raise ModelLoadError(f"the active placement {placement.version} covers {remote.num_layers} MoE layers x "
                                  f"{remote.num_experts} experts; this model has {num_layers} x {num_experts}")  # fmt: skip
         self._endpoints = await asyncio.to_thread(self._read_endpoints)
-        transport = make_transport(self.settings.transport, self._endpoints, self.host, self.settings.dist_backend)
+        transport = make_transport(
+            self.settings.transport, self._endpoints, self.host, self.settings.dist_backend, self.settings.busy_poll_s
+        )
         executor = RemoteExpertExecutor(transport, remote, self.settings.call_timeout_s, self.settings.retry_down_s,
                                         on_error="record")  # fmt: skip
         await engine.call(lambda e: e.model.set_expert_executor(executor))

@@ -10,8 +10,10 @@ read-ahead buffer, which the next `read_exact` consumes first.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import time
 
 
 def _bytes_views(buffers) -> list[memoryview]:
@@ -29,9 +31,10 @@ def _advance(views: list[memoryview], sent: int) -> list[memoryview]:
 
 
 class FrameSocket:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, busy_poll_s: float = 0.0):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self.busy_poll_s = busy_poll_s  # a read polls (busy) this long before it blocks
         self._ahead = bytearray()  # bytes read while a drained send waited
 
     def read_exact(self, size: int) -> bytearray:
@@ -43,12 +46,36 @@ class FrameSocket:
         if got:
             view[:got] = self._ahead[:got]
             del self._ahead[:got]
+        if got < size and self.busy_poll_s > 0:
+            got = self._poll_into(view, got, size)
         while got < size:
             n = self.sock.recv_into(view[got:], size - got)
             if n == 0:
                 raise ConnectionError("the peer closed the connection")
             got += n
         return out
+
+    def _poll_into(self, view: memoryview, got: int, size: int) -> int:
+        """Non-blocking reads into `view[got:size]`, yielding the CPU between them, until it is
+        full or `busy_poll_s` passed; returns how much is in."""
+        timeout = self.sock.gettimeout()
+        self.sock.settimeout(0.0)
+        deadline = time.perf_counter() + self.busy_poll_s
+        try:
+            while got < size:
+                try:
+                    n = self.sock.recv_into(view[got:], size - got)
+                except BlockingIOError:
+                    if time.perf_counter() > deadline:
+                        break
+                    os.sched_yield()
+                    continue
+                if n == 0:
+                    raise ConnectionError("the peer closed the connection")
+                got += n
+        finally:
+            self.sock.settimeout(timeout)
+        return got
 
     def send(self, buffers, drain: bool = False) -> None:
         views = _bytes_views(buffers)

@@ -49,9 +49,12 @@ def encode_hello(session: str) -> list:
 
 
 class SocketDataPlane:
-    def __init__(self, host: str, port: int, worker_id: str, answer: Callable[[ExpertRequest], ExpertReply]):
-        """`host`/`port`: where the listener binds (port 0: an ephemeral one)."""
+    def __init__(self, host: str, port: int, worker_id: str, answer: Callable[[ExpertRequest], ExpertReply],
+                 busy_poll_s: float = 0.0):  # fmt: skip
+        """`host`/`port`: where the listener binds (port 0: an ephemeral one); `busy_poll_s`: how
+        long a serving thread's wait for the next request polls before it blocks."""
         self.host, self.port, self.worker_id, self._answer = host, port, worker_id, answer
+        self.busy_poll_s = busy_poll_s
         self._listener: socket.socket | None = None
         self._unclaimed: dict[str, None] = {}  # sessions opened, not yet connected (oldest first)
         self._connections: set[FrameSocket] = set()
@@ -84,7 +87,7 @@ class SocketDataPlane:
                 sock, peer = listener.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._serve, args=(FrameSocket(sock), peer), name="moemesh-socket-serve",
+            threading.Thread(target=self._serve, args=(FrameSocket(sock, self.busy_poll_s), peer), name="moemesh-socket-serve",
                              daemon=True).start()  # fmt: skip
 
     def _claim(self, connection: FrameSocket) -> str | None:

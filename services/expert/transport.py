@@ -181,9 +181,10 @@ class GrpcExpertTransport(ExpertTransport):
 
 
 def make_transport(kind: str, endpoints: Mapping[str, str], host: str = "127.0.0.1",
-                   dist_backend: str = "gloo") -> ExpertTransport:  # fmt: skip
+                   dist_backend: str = "gloo", busy_poll_s: float = 0.0) -> ExpertTransport:  # fmt: skip
     """The transport `--expert-transport` names. `host`: this worker's advertised address (the
-    torch-dist groups bind there); `dist_backend`: torch-dist's backend."""
+    torch-dist groups bind there); `dist_backend`: torch-dist's backend; `busy_poll_s`: how long
+    the socket transport's wait for a reply polls before it blocks."""
     if kind == "grpc":
         return GrpcExpertTransport(endpoints)
     if kind == "grpc-stream":
@@ -197,5 +198,5 @@ def make_transport(kind: str, endpoints: Mapping[str, str], host: str = "127.0.0
     if kind == "socket":
         from moemesh.expert.transport_socket import SocketExpertTransport
 
-        return SocketExpertTransport(endpoints)
+        return SocketExpertTransport(endpoints, busy_poll_s)
     raise ValueError(f"expert transport must be one of {TRANSPORTS}, got {kind!r}")

@@ -6,9 +6,13 @@ Per expert worker a `_Peer`, opened on the first `submit` to it: a unary OpenDat
 peer connects to the gRPC endpoint's host at that port and names its session (HELLO). `submit`
 stamps the next sequence id and writes the request frame on the calling thread; `result()` reads
 replies in arrival order on the calling thread, stashing those of other calls, until its own is
-in: no reader thread and no hop between threads on the dispatch path. A read or write that fails
-(peer gone), passes the call's timeout, or meets a frame that does not parse fails the peer:
-every pending call on it raises ExpertCallError and the next `submit` opens a new connection.
+in: no reader thread and no hop between threads on the dispatch path. A wait first polls the
+socket for `busy_poll_s` (non-blocking reads, yielding the CPU between them) and only then
+blocks: a core that idles through the expert's compute comes back with cold caches, and the
+planning and decoding around the call then run several times slower (benchmarks/expert_dispatch.py
+`--busy-poll` gives the figures). A read or write that fails (peer gone), passes the call's
+timeout, or meets a frame that does not parse fails the peer: every pending call on it raises
+ExpertCallError and the next `submit` opens a new connection.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import socket
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import grpc
 
@@ -33,7 +38,7 @@ MAX_STASHED = 256  # replies kept for calls not yet collected (a forward that fa
 
 
 class _Peer:
-    def __init__(self, channel: grpc.Channel, worker_id: str, endpoint: str):
+    def __init__(self, channel: grpc.Channel, worker_id: str, endpoint: str, busy_poll_s: float):
         self.worker_id, self.endpoint = worker_id, endpoint
         self.error: ExpertCallError | None = None  # set once the connection failed
         self._ids = itertools.count(1)
@@ -45,7 +50,7 @@ class _Peer:
         )  # raises grpc.RpcError
         host = endpoint.rsplit(":", 1)[0].strip("[]")
         sock = socket.create_connection((host, opened.store_port), timeout=OPEN_TIMEOUT_S)  # raises OSError
-        self._connection = FrameSocket(sock)
+        self._connection = FrameSocket(sock, busy_poll_s)
         try:
             self._connection.send(encode_hello(session))
         except OSError:
@@ -124,9 +129,13 @@ class _SocketCall:
 
 
 class SocketExpertTransport(PerWorkerTransport):
+    def __init__(self, endpoints: Mapping[str, str] | None = None, busy_poll_s: float = 0.0):
+        super().__init__(endpoints)
+        self.busy_poll_s = busy_poll_s
+
     def _open(self, channel: grpc.Channel, worker_id: str, endpoint: str) -> _Peer:
         try:
-            return _Peer(channel, worker_id, endpoint)
+            return _Peer(channel, worker_id, endpoint, self.busy_poll_s)
         except grpc.RpcError as e:
             raise ExpertCallError(worker_id, endpoint, e.code().name, e.details() or "") from None
         except OSError as e:  # the data port did not take the connection

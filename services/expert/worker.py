@@ -87,7 +87,9 @@ class ExpertWorker:
         server, port = create_server(s.host, s.grpc_port, self.health)
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(self.servicer, server)
         self.servicer.data_plane = DistDataPlane(s.advertise_host, s.worker_id, self.servicer.answer_blocking)
-        self.servicer.socket_plane = SocketDataPlane(s.host, s.data_port, s.worker_id, self.servicer.answer_blocking)
+        self.servicer.socket_plane = SocketDataPlane(
+            s.host, s.data_port, s.worker_id, self.servicer.answer_blocking, s.expert.busy_poll_s
+        )
         await self.health.set_serving(False)
         await server.start()
         metrics_server = None

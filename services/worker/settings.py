@@ -111,6 +111,9 @@ class ExpertSettings:
     release_grace_s: float = 2.0  # expert worker: keep a superseded version this long after its last call
     transport: str = "grpc-stream"  # prefill/decode: the expert data plane (expert/transport.py TRANSPORTS)
     dist_backend: str = "gloo"  # prefill/decode with the torch-dist transport: gloo (CPU tensors) or nccl
+    busy_poll_s: float = (
+        0.05  # socket transport: a wait for a reply / for the next request polls this long, then blocks
+    )
 
     def __post_init__(self):
         check(self.transport in EXPERT_TRANSPORTS,
@@ -120,6 +123,7 @@ class ExpertSettings:
         for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
             check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
+        check(self.busy_poll_s >= 0, f"busy_poll_s must be >= 0, got {self.busy_poll_s}")
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,7 @@ def expert_settings(args, config: dict) -> ExpertSettings:
         release_grace_s=args.replica_release_grace,
         transport=pick(args.expert_transport, config.get("expert_transport"), ExpertSettings.transport),
         dist_backend=args.expert_dist_backend,
+        busy_poll_s=args.expert_busy_poll,
     )
 
 
@@ -283,6 +288,15 @@ def add_worker_arguments(parser) -> None:
         default=ExpertSettings.dist_backend,
         choices=EXPERT_DIST_BACKENDS,
         help="prefill/decode with --expert-transport torch-dist: the torch.distributed backend",
+    )
+    expert.add_argument(
+        "--expert-busy-poll",
+        type=float,
+        default=ExpertSettings.busy_poll_s,
+        help="socket transport: seconds a prefill/decode worker's wait for an expert reply, and an expert "
+        "worker's wait for the next request, polls the connection (busy, yielding the CPU) before it "
+        "blocks; a core that sleeps while it waits comes back with cold caches, and that costs more "
+        "than the transfer. 0: always block",
     )
     expert.add_argument(
         "--expert-timeout",

@@ -66,6 +66,17 @@ def test_expert_settings_reject_non_positive_timeouts():
         worker_settings(args, env={})
 
 
+def test_the_socket_busy_poll_is_a_flag_and_a_negative_one_is_refused():
+    parse = build_parser().parse_args
+    assert (
+        worker_settings(parse(["serve", "--role", "expert", "--expert-busy-poll", "0.2"]), env={}).expert.busy_poll_s
+        == 0.2
+    )
+    assert worker_settings(parse(["serve", "--role", "decode"]), env={}).expert.busy_poll_s > 0  # on by default
+    with pytest.raises(SettingsError, match="busy_poll_s must be >= 0"):
+        worker_settings(parse(["serve", "--role", "decode", "--expert-busy-poll", "-1"]), env={})
+
+
 def test_an_expert_worker_on_a_dense_model_exits_2_with_the_reason(smollm_path):
     result = subprocess.run([sys.executable, "-m", "moemesh.cli", "serve", "--role", "expert", "--model", smollm_path,
                              "--worker-id", "e0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -119,6 +120,59 @@ def test_a_drained_write_never_deadlocks_against_a_peer_writing_at_the_same_time
     assert bytes(got["a"]) == payload_b.tobytes() and bytes(got["b"]) == payload_a.tobytes()
     a.close()
     b.close()
+
+
+def socket_pair(busy_poll_s: float) -> tuple[FrameSocket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        writer = socket.create_connection(listener.getsockname())
+        reader = FrameSocket(listener.accept()[0], busy_poll_s)
+    reader.sock.settimeout(60.0)
+    return reader, writer
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_polling_read_takes_bytes_that_arrive_while_it_polls_and_blocks_for_the_rest_after(monkeypatch, late):
+    """The first half is there at once, the second is written only once the reader is polling
+    (it yielded the CPU); `late`: only after its 1 ms budget too, so the blocking read takes it."""
+    from moemesh.expert import frame_socket
+
+    reader, writer = socket_pair(busy_poll_s=0.001 if late else 60.0)
+    polling, yields = threading.Event(), []
+
+    def sched_yield():
+        yields.append(1)
+        polling.set()
+
+    monkeypatch.setattr(frame_socket.os, "sched_yield", sched_yield)
+    payload = np.arange(1 << 16, dtype=np.int32).tobytes()
+    half = len(payload) // 2
+
+    def write_rest():
+        polling.wait(60)
+        if late:
+            time.sleep(0.05)
+        writer.sendall(payload[half:])
+
+    writer.sendall(payload[:half])
+    thread = threading.Thread(target=write_rest, daemon=True)
+    thread.start()
+    got = reader.read_exact(len(payload))
+    thread.join(60)
+    assert bytes(got) == payload and yields
+    assert reader.sock.gettimeout() == 60.0  # the poll put the timeout back
+    writer.close()
+    with pytest.raises(ConnectionError, match="closed"):  # a close seen while polling
+        reader.read_exact(4)
+    reader.close()
+
+
+def test_a_peer_that_closes_after_the_poll_budget_is_an_error_not_a_short_read():
+    reader, writer = socket_pair(busy_poll_s=0.001)
+    writer.sendall(b"ab")
+    threading.Timer(0.05, writer.close).start()
+    with pytest.raises(ConnectionError):
+        reader.read_exact(4)
+    reader.close()
 
 
 def test_the_expert_side_closes_connections_without_a_session_or_with_garbage_and_serves_the_rest():
