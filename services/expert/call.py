@@ -37,11 +37,12 @@ class ExpertRequest:
     group_rows: np.ndarray  # [num_groups] int32 entries per group
     row_ids: np.ndarray  # [num_entries] int32 row of hidden_states per entry, group by group
     entry_weights: torch.Tensor | None = None  # [num_entries] float32: combine on the worker
+    outputs_in_input_dtype: bool = False  # with entry_weights: the sole partial, rounded to x's dtype there
 
 
 @dataclass
 class ExpertReply:
-    outputs: torch.Tensor  # with entry_weights: [num_tokens, hidden] float32; else [num_entries, hidden]
+    outputs: torch.Tensor  # with entry_weights: [num_tokens, hidden] float32 (or x's dtype); else [num_entries, hidden]
     compute_s: float = 0.0  # the worker's compute time for this request
 
 
@@ -55,6 +56,7 @@ def request_to_proto(request: ExpertRequest) -> expert_pb2.RunExpertsRequest:
         hidden_states=tensor_to_proto(request.hidden_states),
         group_slots=request.group_slots.tolist(), group_experts=request.group_experts.tolist(),
         group_rows=request.group_rows.tolist(), row_ids=request.row_ids.tolist(),
+        outputs_in_input_dtype=request.outputs_in_input_dtype,
     )  # fmt: skip
     if request.entry_weights is not None:
         message.entry_weights.CopyFrom(tensor_to_proto(request.entry_weights))
@@ -69,7 +71,7 @@ def request_from_proto(message: expert_pb2.RunExpertsRequest) -> ExpertRequest:
     return ExpertRequest(message.layer, message.placement_version,
                          tensor_from_proto(message.hidden_states, "hidden_states", ndim=2),
                          _int32(message.group_slots), _int32(message.group_experts), _int32(message.group_rows),
-                         _int32(message.row_ids), weights)  # fmt: skip
+                         _int32(message.row_ids), weights, message.outputs_in_input_dtype)  # fmt: skip
 
 
 def reply_to_proto(reply: ExpertReply) -> expert_pb2.RunExpertsResponse:

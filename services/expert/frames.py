@@ -2,7 +2,8 @@
 followed by the raw bytes of its arrays (no protobuf, no per-element encoding).
 
 Request: REQUEST header (magic b"MMq1", sequence id, layer, placement version, hidden-state dtype
-code, whether entry weights follow, num_tokens, hidden, num_groups, num_entries), then
+code, whether entry weights follow, outputs_in_input_dtype, num_tokens, hidden, num_groups,
+num_entries), then
 hidden_states [num_tokens, hidden] in that dtype, group_slots, group_experts and group_rows
 (int32 [num_groups] each), row_ids (int32 [num_entries]) and, when flagged, entry_weights
 (float32 [num_entries]).
@@ -25,7 +26,7 @@ import torch
 
 from moemesh.expert.call import ExpertReply, ExpertRequest
 
-REQUEST = struct.Struct("<4sQiqBB2xiiii")
+REQUEST = struct.Struct("<4sQiqBBBxiiii")
 REPLY = struct.Struct("<4sQBB2xdiiI")
 REQUEST_MAGIC, REPLY_MAGIC = b"MMq1", b"MMp1"
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -45,6 +46,7 @@ class RequestHeader:
     placement_version: int
     dtype: torch.dtype
     has_weights: bool
+    outputs_in_input_dtype: bool
     num_tokens: int
     hidden: int
     num_groups: int
@@ -52,8 +54,7 @@ class RequestHeader:
 
     @property
     def payload_bytes(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return (self.num_tokens * self.hidden * element + 4 * (3 * self.num_groups + self.num_entries)
+        return (self.num_tokens * self.hidden * self.dtype.itemsize + 4 * (3 * self.num_groups + self.num_entries)
                 + 4 * self.num_entries * self.has_weights)  # fmt: skip
 
 
@@ -71,7 +72,7 @@ class ReplyHeader:
     def payload_bytes(self) -> int:
         if self.status:
             return self.error_bytes
-        return self.rows * self.cols * torch.empty((), dtype=self.dtype).element_size()
+        return self.rows * self.cols * self.dtype.itemsize
 
 
 def _dtype(code: int) -> torch.dtype:
@@ -94,7 +95,8 @@ def encode_request(sequence_id: int, request: ExpertRequest) -> list:
     arrays = [np.ascontiguousarray(a, dtype="<i4") for a in
               (request.group_slots, request.group_experts, request.group_rows, request.row_ids)]  # fmt: skip
     header = REQUEST.pack(REQUEST_MAGIC, sequence_id, request.layer, request.placement_version, DTYPE_CODES[x.dtype],
-                          weights is not None, x.shape[0], x.shape[1], arrays[0].size, arrays[3].size)  # fmt: skip
+                          weights is not None, request.outputs_in_input_dtype, x.shape[0], x.shape[1],
+                          arrays[0].size, arrays[3].size)  # fmt: skip
     buffers = [header, _bytes_of(x), *(memoryview(a) for a in arrays)]
     if weights is not None:
         buffers.append(_bytes_of(weights.float()))
@@ -102,10 +104,10 @@ def encode_request(sequence_id: int, request: ExpertRequest) -> list:
 
 
 def parse_request_header(data: bytes | bytearray) -> RequestHeader:
-    magic, seq, layer, version, dtype_code, has_weights, *sizes = REQUEST.unpack(data)
+    magic, seq, layer, version, dtype_code, has_weights, in_input_dtype, *sizes = REQUEST.unpack(data)
     if magic != REQUEST_MAGIC:
         raise FrameError(f"not a request frame (magic {magic!r})")
-    header = RequestHeader(seq, layer, version, _dtype(dtype_code), bool(has_weights), *sizes)
+    header = RequestHeader(seq, layer, version, _dtype(dtype_code), bool(has_weights), bool(in_input_dtype), *sizes)
     if min(sizes) < 0 or header.payload_bytes > MAX_PAYLOAD_BYTES:
         raise FrameError(f"request {seq} announces sizes {sizes} (at most {MAX_PAYLOAD_BYTES} payload bytes)")
     return header
@@ -113,7 +115,7 @@ def parse_request_header(data: bytes | bytearray) -> RequestHeader:
 
 def decode_request(header: RequestHeader, payload: bytearray) -> ExpertRequest:
     """The request over `payload` (its tensors and arrays are views of it: no copy)."""
-    x_bytes = header.num_tokens * header.hidden * torch.empty((), dtype=header.dtype).element_size()
+    x_bytes = header.num_tokens * header.hidden * header.dtype.itemsize
     if header.num_tokens * header.hidden:
         x = torch.frombuffer(payload, dtype=header.dtype, count=header.num_tokens * header.hidden)
         x = x.view(header.num_tokens, header.hidden)
@@ -126,7 +128,7 @@ def decode_request(header: RequestHeader, payload: bytearray) -> ExpertRequest:
     weights = None
     if header.has_weights:
         weights = torch.from_numpy(np.frombuffer(payload, dtype="<f4", count=header.num_entries, offset=offset).copy())
-    return ExpertRequest(header.layer, header.placement_version, x, *arrays, weights)
+    return ExpertRequest(header.layer, header.placement_version, x, *arrays, weights, header.outputs_in_input_dtype)
 
 
 def encode_reply(sequence_id: int, reply: ExpertReply) -> list:

@@ -6,7 +6,8 @@ Per layer: logical ids -> replicas by the placement's round-robin rule
 per worker through the ExpertTransport, all in flight at once. Each token's hidden state goes
 once to each worker it needs, with its (replica, gate weight) entries there; the worker combines
 its own experts and returns one float32 partial [num_tokens_w, hidden]; the partials are added
-here in worker order and cast once. Versus the local kernel (one float32 sum over all of a
+here in worker order and cast once (when one worker serves every entry it casts its partial
+itself: `outputs_in_input_dtype`, half the reply bytes for bf16). Versus the local kernel (one float32 sum over all of a
 token's entries in replica order) only the association of the float32 sum changes: fp32 outputs
 differ by a few ulps (|rel| ~ 1e-7), bf16 outputs round the same float32 sum once (rarely 1 ulp).
 A worker that fails (unreachable, timed out, or without the placement loaded)
@@ -164,8 +165,10 @@ class RemoteExpertExecutor(ExpertExecutor):
         replica_ids = placement.replica_ids(layer, topk_ids).cpu().numpy()  # [num_tokens, top_k]
         entries = sort_entries(replica_ids, topk_ids.cpu().numpy(), placement.slot_owner)
         replicas = entries.replicas
-        slot_down = self._slot_down(placement)
-        if slot_down.any():  # route around workers that failed recently (stranded entries try anyway)
+        slot_down = self._slot_down(placement) if self._down_until else None
+        if (
+            slot_down is not None and slot_down.any()
+        ):  # route around workers that failed recently (stranded entries try anyway)
             replicas, _ = reroute(replicas, entries.experts, slot_down, placement.log2phy_np[layer],
                                   placement.replica_counts_np[layer])  # fmt: skip
             batches = group_by_worker(replicas, entries.experts, entries.tokens, np.arange(replicas.size),
@@ -174,7 +177,9 @@ class RemoteExpertExecutor(ExpertExecutor):
             batches = split_by_worker(entries, placement.slot_owner, num_tokens)
         x = hidden_states.detach().cpu()  # [num_tokens, hidden]
         weights = topk_weights.detach().cpu().float().reshape(-1)[torch.from_numpy(entries.order)]  # [num_entries]
-        calls = self._send(layer, placement, x, weights, batches)
+        # one worker serves every entry: its partial is the output, rounded to x's dtype over there
+        sole = len(batches) == 1 and batches[0].token_ids.size == num_tokens and x.dtype != torch.float32
+        calls = self._send(layer, placement, x, weights, batches, sole)
         return _RemoteHandle(layer, placement, entries, replicas, x, weights, batches, calls, None, hidden_states)
 
     def _wait(self, h: _RemoteHandle) -> torch.Tensor:
@@ -191,31 +196,34 @@ class RemoteExpertExecutor(ExpertExecutor):
             h.out = torch.zeros(h.x.shape, dtype=torch.float32)
         return h.out.to(device=h.like.device, dtype=h.like.dtype, copy=h.out_is_reply)
 
-    def _send(self, layer, placement: RemotePlacement, x, weights, batches: list[WorkerBatch]) -> list:
-        calls = []
+    def _send(self, layer, placement: RemotePlacement, x, weights, batches: list[WorkerBatch], sole=False) -> list:
+        """(batch, pending call, the outputs' dtype) per batch; `sole`: the one batch's partial is the output."""
+        calls, dtype = [], x.dtype if sole else torch.float32
         for batch in batches:
             rows = x if batch.token_ids.size == x.shape[0] else gather_rows(x, batch.token_ids)  # all tokens: as is
             request = ExpertRequest(
                 layer, placement.version, rows, batch.slots.astype(np.int32), batch.experts.astype(np.int32),
                 batch.group_sizes.astype(np.int32), batch.row_ids.astype(np.int32),
-                weights[torch.from_numpy(batch.positions)],
+                weights[torch.from_numpy(batch.positions)], outputs_in_input_dtype=sole,
             )  # fmt: skip
             self.num_bytes_sent += request.hidden_states.nbytes + request.entry_weights.nbytes
-            calls.append((batch, self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)))
+            call = self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)
+            calls.append((batch, call, dtype))
         return calls
 
     def _gather(self, h: _RemoteHandle, calls: list) -> list:
         """Adds each reply's partial into `h.out` (worker order); returns the failed calls. A
-        first partial that covers every token becomes the sum itself (0 + y is y: same sum)."""
+        first partial that covers every token becomes the sum itself (0 + y is y: same sum); the
+        sole partial comes already rounded to x's dtype (the same rounding of the same sum)."""
         failed, slowest, num_tokens = [], 0.0, h.x.shape[0]
-        for batch, call in calls:
+        for batch, call, dtype in calls:
             worker_id = h.placement.worker_ids[batch.worker]
             try:
                 reply = call.result()
                 y = reply.outputs
                 expected = (batch.token_ids.size, h.x.shape[1])
-                if tuple(y.shape) != expected or y.dtype != torch.float32:
-                    raise WireError(f"outputs are {y.dtype} {list(y.shape)}, expected float32 {list(expected)}")
+                if tuple(y.shape) != expected or y.dtype != dtype:
+                    raise WireError(f"outputs are {y.dtype} {list(y.shape)}, expected {dtype} {list(expected)}")
             except (ExpertCallError, WireError) as e:
                 failed.append((batch, e))
                 self._down_until[worker_id] = self.clock() + self.retry_s

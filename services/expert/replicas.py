@@ -79,7 +79,7 @@ class HostedVersion:
         layer: int,
         x: torch.Tensor,  # [num_tokens, hidden]
         row_ids: torch.Tensor,  # [num_entries] int64 rows of x, grouped by replica
-        local: torch.Tensor,  # [num_entries] int64 local replica of each entry
+        local: torch.Tensor | None,  # [num_entries] int64 local replica of each entry (read by the FP8 path only)
         weights: torch.Tensor,  # [num_entries] float32 gate weights
         groups: tuple[list[int], list[int]],  # (local replica, entries) of each group, in entry order
     ) -> torch.Tensor:  # [num_tokens, hidden] float32: per token, sum of w * E(x) over its entries here

@@ -4,7 +4,8 @@
 shape, groups of slots this worker owns holding the named experts, row ids in range, entry
 weights) and returns the compute inputs; `run_call` computes them: with entry weights the worker
 combines its own experts (one float32 partial [num_tokens, hidden] back instead of one row per
-entry). `RunExperts` (unary), `RunExpertsStream` (one long-lived bidirectional call per attention
+entry; rounded to the activations' dtype here when the request says it is the sole partial).
+`RunExperts` (unary), `RunExpertsStream` (one long-lived bidirectional call per attention
 worker, requests matched to responses by sequence id) and the data planes that `OpenDataPlane`
 opens (torch-dist groups, dist_server.py; raw-frame sockets, socket_server.py; their serving
 threads call `answer_blocking`) share that path. The gRPC calls compute on one dedicated thread
@@ -40,13 +41,33 @@ class ParsedCall:
     layer: int
     x: torch.Tensor  # [num_tokens, hidden]
     row_ids: torch.Tensor  # [num_entries] int64
-    local: torch.Tensor  # [num_entries] int64 local replica per entry
-    local_counts: np.ndarray  # [num_local] entries per local replica
-    groups: tuple[list[int], list[int]]  # (local replica, entries) of each request group, in order
+    group_local: np.ndarray  # [num_groups] local replica of each request group, in order
+    group_rows: np.ndarray  # [num_groups] entries of each group
     weights: torch.Tensor | None  # [num_entries] float32 gate weights: combine here; None: one row per entry
+    combined_dtype: torch.dtype = torch.float32  # of the combined outputs: float32, or x's (the sole partial)
+
+    @property
+    def groups(self) -> tuple[list[int], list[int]]:  # (local replica, entries) of each group, in order
+        return self.group_local.tolist(), self.group_rows.tolist()
+
+    @property
+    def local(self) -> torch.Tensor:  # [num_entries] int64 local replica of each entry
+        return torch.from_numpy(np.repeat(self.group_local, self.group_rows))
+
+    @property
+    def local_counts(self) -> np.ndarray:  # [num_local] entries per local replica
+        counts = np.bincount(self.group_local, weights=self.group_rows, minlength=self.hosted.slots.size)
+        return counts.astype(np.int64)
+
+
+def _out_of(values: np.ndarray, low: int, high: int) -> bool:
+    """Some value is outside [low, high)."""
+    return bool(values.size) and (int(values.min()) < low or int(values.max()) >= high)
 
 
 def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
+    """The compute inputs of a request, or CallError. Every check is one vectorised pass (this runs
+    on the dispatch path of each MoE layer); the per-entry arrays are made only where used."""
     hosted = store.get(request.placement_version)
     if hosted is None:
         raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -60,42 +81,41 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"hidden_states are {list(x.shape)}, expected [num_tokens, {shape.hidden_size}] (the model's "
                         "hidden size)")  # fmt: skip
-    slots = request.group_slots.astype(np.int64)
-    experts = request.group_experts.astype(np.int64)
-    sizes = request.group_rows.astype(np.int64)
+    slots, experts, sizes = request.group_slots, request.group_experts, request.group_rows
     if not slots.size == experts.size == sizes.size:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"group_slots, group_experts and group_rows must have one value per group, got "
                         f"{slots.size}, {experts.size} and {sizes.size}")  # fmt: skip
     placement = hosted.placement
-    if ((slots < 0) | (slots >= placement.num_slots)).any() or (sizes < 0).any():
+    if _out_of(slots, 0, placement.num_slots) or _out_of(sizes, 0, 1 << 31):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"groups name slots outside [0, {placement.num_slots}) "
                                                           "or negative row counts")  # fmt: skip
     local = hosted.local_index[slots]
-    if (local < 0).any():
+    if _out_of(local, 0, hosted.slots.size):
         raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"slots {slots[local < 0].tolist()} are not expert worker {store.worker_id}'s in placement "
                         f"{hosted.version}")  # fmt: skip
     held = placement.phy2log[request.layer, slots]
-    if (held != experts).any():
+    if not np.array_equal(held, experts):
         bad = int(np.flatnonzero(held != experts)[0])
         raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"slot {slots[bad]} holds expert {held[bad]} in layer {request.layer} of placement "
                         f"{hosted.version}, not {experts[bad]}")  # fmt: skip
-    row_ids = request.row_ids.astype(np.int64)
-    if row_ids.size != int(sizes.sum()):
+    row_ids = request.row_ids
+    num_entries = int(sizes.sum(dtype=np.int64))
+    if row_ids.size != num_entries:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{row_ids.size} row ids for groups of {int(sizes.sum())} rows")  # fmt: skip
-    if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= x.shape[0]):
+                        f"{row_ids.size} row ids for groups of {num_entries} rows")  # fmt: skip
+    if _out_of(row_ids, 0, x.shape[0]):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must be in [0, {x.shape[0]})")
     weights = request.entry_weights
     if weights is not None and (weights.dtype != torch.float32 or tuple(weights.shape) != (row_ids.size,)):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
                         f"{list(weights.shape)}")  # fmt: skip
-    local_counts = np.bincount(local, weights=sizes, minlength=hosted.slots.size).astype(np.int64)
-    return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), torch.from_numpy(np.repeat(local, sizes)),
-                      local_counts, (local.tolist(), sizes.tolist()), weights)  # fmt: skip
+    combined_dtype = x.dtype if request.outputs_in_input_dtype else torch.float32
+    return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids.astype(np.int64)), local,
+                      sizes.astype(np.int64), weights, combined_dtype)  # fmt: skip
 
 
 def run_call(call: ParsedCall) -> ExpertReply:
@@ -104,15 +124,17 @@ def run_call(call: ParsedCall) -> ExpertReply:
     combined = call.weights is not None
     if call.row_ids.numel() == 0:
         rows = call.x.shape[0] if combined else 0
-        y = torch.zeros(rows, call.x.shape[1], dtype=torch.float32 if combined else call.x.dtype)
+        y = torch.zeros(rows, call.x.shape[1], dtype=call.combined_dtype if combined else call.x.dtype)
     else:
         w13 = hosted.w13[call.layer]  # computed in the weights' dtype, on their device
         x = call.x.to(device=w13.device, dtype=hosted.activation_dtype(call.layer, call.x.dtype))
-        local, row_ids = call.local.to(w13.device), call.row_ids.to(w13.device)
+        row_ids = call.row_ids.to(w13.device)
         if combined:  # [num_tokens, hidden] float32
-            y = hosted.run_combined(call.layer, x, row_ids, local, call.weights.to(w13.device), call.groups).cpu()
+            local = call.local.to(w13.device) if hosted.fp8_block is not None else None  # only the FP8 path reads it
+            y = hosted.run_combined(call.layer, x, row_ids, local, call.weights.to(w13.device), call.groups)
+            y = y.to(device="cpu", dtype=call.combined_dtype)  # float32, or the sole partial rounded once here
         else:  # [num_entries, hidden]
-            y = hosted.run(call.layer, x, row_ids, local).to(device="cpu", dtype=call.x.dtype)
+            y = hosted.run(call.layer, x, row_ids, call.local.to(w13.device)).to(device="cpu", dtype=call.x.dtype)
     return ExpertReply(y, time.perf_counter() - started)
 
 
@@ -205,15 +227,20 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         finally:
             self._finish(call, started, ok=reply is not None)
 
-    def answer_blocking(self, request: ExpertRequest) -> ExpertReply:
+    def answer_blocking(self, request: ExpertRequest,
+                        deliver: Callable[[ExpertReply], None] | None = None) -> ExpertReply:  # fmt: skip
         """The reply on the caller's thread (the torch-dist and socket data planes' serving
         threads): no hop to the event loop or the compute thread; computes one at a time with them
-        (the compute lock). Raises CallError for a request this worker refuses."""
+        (the compute lock). Raises CallError for a request this worker refuses. `deliver` (the
+        data plane's send) gets the reply before its tokens are counted, so the counting runs while
+        the reply travels; what it raises propagates (the tokens still count: they were computed)."""
         started = time.perf_counter()
         call = self._begin(request)
         reply = None
         try:
             reply = self._run(call)
+            if deliver is not None:
+                deliver(reply)
             return reply
         finally:
             self._finish(call, started, ok=reply is not None)
@@ -240,15 +267,16 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         """The call left the worker; its tokens count when it computed (`ok`)."""
         hosted = call.hosted
         experts = hosted.placement.phy2log[call.layer, hosted.slots]  # [num_local]
+        counts = call.local_counts if ok else None
         with self._counts_lock:
             hosted.num_in_flight -= 1
             self.num_in_flight -= 1
             hosted.last_call_at = self._clock()
             if not ok:
                 return
-            hosted.token_counts[call.layer] += call.local_counts
-            np.add.at(self.window_counts[call.layer], experts, call.local_counts)
-            np.add.at(self.total_counts[call.layer], experts, call.local_counts)
+            hosted.token_counts[call.layer] += counts
+            np.add.at(self.window_counts[call.layer], experts, counts)
+            np.add.at(self.total_counts[call.layer], experts, counts)
         if self.metrics is not None:
             self.metrics.call("OK", time.perf_counter() - started)
 

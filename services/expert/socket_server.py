@@ -6,8 +6,9 @@ thread; it starts the listener on first use (`--data-port`, 0 = ephemeral) and r
 The attention worker then connects and sends HELLO with that session: a connection naming no
 session opened through the RPC is closed, so every connection is tied to a gRPC handshake (which
 fails fast on a stopping worker). The serving thread loops: read a request frame, `answer` it
-(the servicer's `answer_blocking`: check, compute and count on this thread; CallError for a
-refused request, answered with its status), write the reply (draining, frame_socket.py). A frame
+(the servicer's `answer_blocking(request, deliver)`: check and compute on this thread, write the
+reply through `deliver` (draining, frame_socket.py), then count its tokens while it travels;
+CallError for a refused request, answered with its status). A frame
 that does not parse closes the connection (the stream cannot be resynchronised); the peer's next
 call opens a new one. `close()` (worker shutdown) closes the listener and stops reading on every
 connection: a request being computed is still answered, then the connection closes, so attention
@@ -49,7 +50,7 @@ def encode_hello(session: str) -> list:
 
 
 class SocketDataPlane:
-    def __init__(self, host: str, port: int, worker_id: str, answer: Callable[[ExpertRequest], ExpertReply],
+    def __init__(self, host: str, port: int, worker_id: str, answer: Callable[..., ExpertReply],
                  busy_poll_s: float = 0.0):  # fmt: skip
         """`host`/`port`: where the listener binds (port 0: an ephemeral one); `busy_poll_s`: how
         long a serving thread's wait for the next request polls before it blocks."""
@@ -115,7 +116,7 @@ class SocketDataPlane:
             while True:
                 header = parse_request_header(connection.read_exact(REQUEST.size))
                 request = decode_request(header, connection.read_exact(header.payload_bytes))
-                connection.send(self._reply(header.sequence_id, request), drain=True)
+                self._respond(connection, header.sequence_id, request)
         except FrameError as e:
             logger.warning("socket data plane session %s: %s; closed", (session or "?")[:8], e)
         except (ConnectionError, OSError, struct.error) as e:  # the peer went away (or we closed)
@@ -125,14 +126,33 @@ class SocketDataPlane:
                 self._connections.discard(connection)
             connection.close()
 
-    def _reply(self, sequence_id: int, request: ExpertRequest) -> list:
+    def _respond(self, connection: FrameSocket, sequence_id: int, request: ExpertRequest) -> None:
+        """Sends the reply (from inside `answer`, before the worker counts the call's tokens) or
+        the error it is refused with; an OSError of the connection propagates (it is closed)."""
+        sent = False
+
+        def deliver(reply: ExpertReply) -> None:
+            nonlocal sent
+            frames = encode_reply(sequence_id, reply)
+            sent = True
+            connection.send(frames, drain=True)
+
         try:
-            return encode_reply(sequence_id, self._answer(request))
+            self._answer(request, deliver)
+            return
         except CallError as e:
-            return encode_error(sequence_id, e.code, str(e))
+            frames = encode_error(sequence_id, e.code, str(e))
+        except OSError:
+            if sent:
+                raise
+            logger.exception("socket data plane request %d failed", sequence_id)
+            frames = encode_error(sequence_id, grpc.StatusCode.INTERNAL, "the expert computation failed")
         except Exception as e:  # a bug: answer it as gRPC would (INTERNAL) and keep the connection
             logger.exception("socket data plane request %d failed", sequence_id)
-            return encode_error(sequence_id, grpc.StatusCode.INTERNAL, str(e))
+            if sent:  # the reply went out; what failed is the worker's bookkeeping after it
+                return
+            frames = encode_error(sequence_id, grpc.StatusCode.INTERNAL, str(e))
+        connection.send(frames, drain=True)
 
     def close(self) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moemesh/v1/expert.proto\x12\nmoemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xff\x01\n\x11RunExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11placement_version\x18\x02 \x01(\x03\x12)\n\rhidden_states\x18\x03 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0bgroup_slots\x18\x08 \x03(\x05\x12\x15\n\rgroup_experts\x18\t \x03(\x05\x12\x12\n\ngroup_rows\x18\n \x03(\x05\x12\x0f\n\x07row_ids\x18\x05 \x03(\x05\x12)\n\rentry_weights\x18\x06 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0bsequence_id\x18\x07 \x01(\x03J\x04\x08\x04\x10\x05\"\x84\x01\n\x12RunExpertsResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0bsequence_id\x18\x02 \x01(\x03\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\"8\n\x14OpenDataPlaneRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"+\n\x15OpenDataPlaneResponse\x12\x12\n\nstore_port\x18\x01 \x01(\x05\"\x15\n\x13\x45xpertStatusRequest\"a\n\rHostedReplica\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0c\n\x04slot\x18\x03 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x04 \x01(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\",\n\x0bLayerExpert\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"\xbd\x02\n\x0c\x45xpertStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x04 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x05 \x01(\x05\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x16\n\x0e\x61\x63tive_version\x18\x07 \x01(\x03\x12\x17\n\x0floaded_versions\x18\x08 \x03(\x03\x12+\n\x08replicas\x18\t \x03(\x0b\x32\x19.moemesh.v1.HostedReplica\x12/\n\x0ehosted_experts\x18\n \x03(\x0b\x32\x17.moemesh.v1.LayerExpert\x12\x15\n\rnum_in_flight\x18\x0b \x01(\x05\x12\x15\n\rexpert_tokens\x18\x0c \x03(\x03\x32\xd0\x02\n\x0c\x45xpertWorker\x12K\n\nRunExperts\x12\x1d.moemesh.v1.RunExpertsRequest\x1a\x1e.moemesh.v1.RunExpertsResponse\x12U\n\x10RunExpertsStream\x12\x1d.moemesh.v1.RunExpertsRequest\x1a\x1e.moemesh.v1.RunExpertsResponse(\x01\x30\x01\x12T\n\rOpenDataPlane\x12 .moemesh.v1.OpenDataPlaneRequest\x1a!.moemesh.v1.OpenDataPlaneResponse\x12\x46\n\tGetStatus\x12\x1f.moemesh.v1.ExpertStatusRequest\x1a\x18.moemesh.v1.ExpertStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moemesh/v1/expert.proto\x12\nmoemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x9f\x02\n\x11RunExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11placement_version\x18\x02 \x01(\x03\x12)\n\rhidden_states\x18\x03 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0bgroup_slots\x18\x08 \x03(\x05\x12\x15\n\rgroup_experts\x18\t \x03(\x05\x12\x12\n\ngroup_rows\x18\n \x03(\x05\x12\x0f\n\x07row_ids\x18\x05 \x03(\x05\x12)\n\rentry_weights\x18\x06 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0bsequence_id\x18\x07 \x01(\x03\x12\x1e\n\x16outputs_in_input_dtype\x18\x0b \x01(\x08J\x04\x08\x04\x10\x05\"\x84\x01\n\x12RunExpertsResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0bsequence_id\x18\x02 \x01(\x03\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\"8\n\x14OpenDataPlaneRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"+\n\x15OpenDataPlaneResponse\x12\x12\n\nstore_port\x18\x01 \x01(\x05\"\x15\n\x13\x45xpertStatusRequest\"a\n\rHostedReplica\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0c\n\x04slot\x18\x03 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x04 \x01(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\",\n\x0bLayerExpert\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"\xbd\x02\n\x0c\x45xpertStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x16\n\x0enum_moe_layers\x18\x04 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x05 \x01(\x05\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x16\n\x0e\x61\x63tive_version\x18\x07 \x01(\x03\x12\x17\n\x0floaded_versions\x18\x08 \x03(\x03\x12+\n\x08replicas\x18\t \x03(\x0b\x32\x19.moemesh.v1.HostedReplica\x12/\n\x0ehosted_experts\x18\n \x03(\x0b\x32\x17.moemesh.v1.LayerExpert\x12\x15\n\rnum_in_flight\x18\x0b \x01(\x05\x12\x15\n\rexpert_tokens\x18\x0c \x03(\x03\x32\xd0\x02\n\x0c\x45xpertWorker\x12K\n\nRunExperts\x12\x1d.moemesh.v1.RunExpertsRequest\x1a\x1e.moemesh.v1.RunExpertsResponse\x12U\n\x10RunExpertsStream\x12\x1d.moemesh.v1.RunExpertsRequest\x1a\x1e.moemesh.v1.RunExpertsResponse(\x01\x30\x01\x12T\n\rOpenDataPlane\x12 .moemesh.v1.OpenDataPlaneRequest\x1a!.moemesh.v1.OpenDataPlaneResponse\x12\x46\n\tGetStatus\x12\x1f.moemesh.v1.ExpertStatusRequest\x1a\x18.moemesh.v1.ExpertStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=39
   _globals['_TENSOR']._serialized_end=91
   _globals['_RUNEXPERTSREQUEST']._serialized_start=94
-  _globals['_RUNEXPERTSREQUEST']._serialized_end=349
-  _globals['_RUNEXPERTSRESPONSE']._serialized_start=352
-  _globals['_RUNEXPERTSRESPONSE']._serialized_end=484
-  _globals['_OPENDATAPLANEREQUEST']._serialized_start=486
-  _globals['_OPENDATAPLANEREQUEST']._serialized_end=542
-  _globals['_OPENDATAPLANERESPONSE']._serialized_start=544
-  _globals['_OPENDATAPLANERESPONSE']._serialized_end=587
-  _globals['_EXPERTSTATUSREQUEST']._serialized_start=589
-  _globals['_EXPERTSTATUSREQUEST']._serialized_end=610
-  _globals['_HOSTEDREPLICA']._serialized_start=612
-  _globals['_HOSTEDREPLICA']._serialized_end=709
-  _globals['_LAYEREXPERT']._serialized_start=711
-  _globals['_LAYEREXPERT']._serialized_end=755
-  _globals['_EXPERTSTATUS']._serialized_start=758
-  _globals['_EXPERTSTATUS']._serialized_end=1075
-  _globals['_EXPERTWORKER']._serialized_start=1078
-  _globals['_EXPERTWORKER']._serialized_end=1414
+  _globals['_RUNEXPERTSREQUEST']._serialized_end=381
+  _globals['_RUNEXPERTSRESPONSE']._serialized_start=384
+  _globals['_RUNEXPERTSRESPONSE']._serialized_end=516
+  _globals['_OPENDATAPLANEREQUEST']._serialized_start=518
+  _globals['_OPENDATAPLANEREQUEST']._serialized_end=574
+  _globals['_OPENDATAPLANERESPONSE']._serialized_start=576
+  _globals['_OPENDATAPLANERESPONSE']._serialized_end=619
+  _globals['_EXPERTSTATUSREQUEST']._serialized_start=621
+  _globals['_EXPERTSTATUSREQUEST']._serialized_end=642
+  _globals['_HOSTEDREPLICA']._serialized_start=644
+  _globals['_HOSTEDREPLICA']._serialized_end=741
+  _globals['_LAYEREXPERT']._serialized_start=743
+  _globals['_LAYEREXPERT']._serialized_end=787
+  _globals['_EXPERTSTATUS']._serialized_start=790
+  _globals['_EXPERTSTATUS']._serialized_end=1107
+  _globals['_EXPERTWORKER']._serialized_start=1110
+  _globals['_EXPERTWORKER']._serialized_end=1446
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RunExpertsRequest(_message.Message):
-    __slots__ = ("layer", "placement_version", "hidden_states", "group_slots", "group_experts", "group_rows", "row_ids", "entry_weights", "sequence_id")
+    __slots__ = ("layer", "placement_version", "hidden_states", "group_slots", "group_experts", "group_rows", "row_ids", "entry_weights", "sequence_id", "outputs_in_input_dtype")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class RunExpertsRequest(_message.Message):
     ROW_IDS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_IN_INPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     placement_version: int
     hidden_states: Tensor
@@ -36,7 +37,8 @@ class RunExpertsRequest(_message.Message):
     row_ids: _containers.RepeatedScalarFieldContainer[int]
     entry_weights: Tensor
     sequence_id: int
-    def __init__(self, layer: _Optional[int] = ..., placement_version: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., group_slots: _Optional[_Iterable[int]] = ..., group_experts: _Optional[_Iterable[int]] = ..., group_rows: _Optional[_Iterable[int]] = ..., row_ids: _Optional[_Iterable[int]] = ..., entry_weights: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ...) -> None: ...
+    outputs_in_input_dtype: bool
+    def __init__(self, layer: _Optional[int] = ..., placement_version: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., group_slots: _Optional[_Iterable[int]] = ..., group_experts: _Optional[_Iterable[int]] = ..., group_rows: _Optional[_Iterable[int]] = ..., row_ids: _Optional[_Iterable[int]] = ..., entry_weights: _Optional[_Union[Tensor, _Mapping]] = ..., sequence_id: _Optional[int] = ..., outputs_in_input_dtype: _Optional[bool] = ...) -> None: ...
 
 class RunExpertsResponse(_message.Message):
     __slots__ = ("outputs", "sequence_id", "error_code", "error", "compute_s")

@@ -13,9 +13,10 @@ import torch
 from moemesh.common.placement import Placement, make_placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor
+from moemesh.expert.call import ExpertRequest, request_from_proto, request_to_proto
 from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries, split_by_worker
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
-from moemesh.expert.servicer import CallError, decode_request, parse_call
+from moemesh.expert.servicer import CallError, ExpertServicer, decode_request, parse_call
 from moemesh.expert.wire import tensor_to_proto
 from moemesh.proto.v1 import expert_pb2
 
@@ -73,11 +74,24 @@ def test_two_workers_match_the_local_executor_within_reassociation_error(dtype):
     assert sorted(set(transport.calls)) == [("w0", 0), ("w0", 1), ("w1", 0), ("w1", 1)]  # one call per worker per layer
 
 
-def test_one_worker_holding_every_expert_equals_the_local_executor_bit_for_bit():
-    """A single worker sums every entry of a token in the local kernel's order: no reassociation."""
-    local, remote, _, _ = executors(identity(WORKERS[:1]), workers=WORKERS[:1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_worker_holding_every_expert_equals_the_local_executor_bit_for_bit(dtype):
+    """A single worker sums every entry of a token in the local kernel's order: no reassociation.
+    In bf16 it also rounds that sum itself (the sole partial): half the reply bytes, same bits."""
+    local, remote, _, _ = executors(identity(WORKERS[:1]), dtype, workers=WORKERS[:1])
     x, ids, weights = routing(37)
+    x = x.to(dtype)
     assert torch.equal(remote.forward(0, x, ids, weights), local.forward(0, x, ids, weights))
+    assert remote.num_bytes_received == x.numel() * dtype.itemsize  # the reply came in x's dtype
+
+
+def test_the_sole_partial_flag_survives_the_protobuf_transports():
+    x, _, _ = routing(2)
+    request = ExpertRequest(0, 1, x.bfloat16(), *(np.array(v, dtype=np.int32) for v in ([0], [0], [2], [0, 1])),
+                            torch.ones(2), outputs_in_input_dtype=True)  # fmt: skip
+    assert request_from_proto(request_to_proto(request)).outputs_in_input_dtype
+    request.outputs_in_input_dtype = False
+    assert not request_from_proto(request_to_proto(request)).outputs_in_input_dtype
 
 
 def float64_reference(experts, layer, x, ids, weights) -> torch.Tensor:  # [num_tokens, hidden] float64
@@ -247,9 +261,37 @@ def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_s
         "group_slots, group_experts and group_rows must have one value per group, got 1, 1 and 2",
     )
     assert call(row_ids=[0, 2])[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert call(group_slots=[-1])[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert call(group_slots=[0, 1], group_experts=[0, 1], group_rows=[3, -1], row_ids=[0, 1])[0] == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert call(hidden_states=expert_pb2.Tensor(dtype="float32", shape=[2, HIDDEN], data=b"\0" * 8))[0] == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
+
+
+def test_a_data_plane_gets_the_reply_before_the_worker_counts_its_tokens_and_they_count_even_if_sending_fails():
+    _, _, transport, _ = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
+    servicer = ExpertServicer(transport.stores["w0"], status=lambda: None)
+    x, _, _ = routing(3)
+    request = ExpertRequest(1, 1, x, *(np.array(v, dtype=np.int32) for v in ([0, 2], [0, 2], [2, 1], [0, 2, 1])),
+                            torch.ones(3))  # fmt: skip
+    counts_at_delivery = []
+
+    def deliver(reply):
+        counts_at_delivery.append(servicer.total_counts.copy())
+        raise ConnectionResetError("the attention worker went away")
+
+    try:
+        with pytest.raises(ConnectionResetError):
+            servicer.answer_blocking(request, deliver)
+        assert counts_at_delivery[0].sum() == 0  # counting came after the reply was handed over
+        assert servicer.total_counts[1].tolist() == [2, 0, 1, 0, 0, 0, 0, 0]
+        assert servicer.num_in_flight == 0
+        reply = servicer.answer_blocking(request)  # no data plane: returned, counted the same
+        assert reply.outputs.shape == (3, HIDDEN) and servicer.total_counts[1, 0] == 4
+    finally:
+        servicer.close()
 
 
 def test_a_serving_worker_records_the_failure_and_the_forward_finishes_with_zeros():

@@ -45,23 +45,26 @@ def round_trip_request(sequence_id: int, request: ExpertRequest) -> tuple[int, E
     return header.sequence_id, decode_request(header, data[REQUEST.size :])
 
 
-def random_request(dtype: torch.dtype, num_tokens: int, weights: bool, seed: int = 0) -> ExpertRequest:
+def random_request(dtype: torch.dtype, num_tokens: int, weights: bool, seed: int = 0,
+                   in_input_dtype: bool = False) -> ExpertRequest:  # fmt: skip
     gen = np.random.default_rng(seed)
     x = torch.randn(num_tokens, 24, generator=torch.Generator().manual_seed(seed)).to(dtype)
     sizes = gen.integers(0, 4, size=5).astype(np.int32)
     row_ids = gen.integers(0, max(num_tokens, 1), size=int(sizes.sum())).astype(np.int32)
     w = torch.from_numpy(gen.random(row_ids.size).astype(np.float32)) if weights else None
     return ExpertRequest(3, 2**40 + 7, x, np.arange(5, dtype=np.int32) * 3, np.arange(5, dtype=np.int32) + 100,
-                         sizes, row_ids, w)  # fmt: skip
+                         sizes, row_ids, w, in_input_dtype)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_tokens, weights", [(7, True), (7, False), (0, True)])
-def test_a_request_frame_carries_every_field_exactly(dtype, num_tokens, weights):
-    sent = random_request(dtype, num_tokens, weights)
+@pytest.mark.parametrize("num_tokens, weights, in_input_dtype", [(7, True, False), (7, True, True), (7, False, False),
+                                                                  (0, True, False)])  # fmt: skip
+def test_a_request_frame_carries_every_field_exactly(dtype, num_tokens, weights, in_input_dtype):
+    sent = random_request(dtype, num_tokens, weights, in_input_dtype=in_input_dtype)
     sequence_id, got = round_trip_request(2**63 + 5, sent)
     assert sequence_id == 2**63 + 5
     assert (got.layer, got.placement_version) == (sent.layer, sent.placement_version)
+    assert got.outputs_in_input_dtype == in_input_dtype
     assert got.hidden_states.dtype == dtype and torch.equal(got.hidden_states, sent.hidden_states)
     for name in ("group_slots", "group_experts", "group_rows", "row_ids"):
         assert getattr(got, name).tolist() == getattr(sent, name).tolist(), name
@@ -88,11 +91,11 @@ def test_headers_that_do_not_parse_are_refused():
     with pytest.raises(FrameError, match="not a request frame"):
         parse_request_header(b"XXXX" + good[4:])
     with pytest.raises(FrameError, match="unknown dtype code 9"):
-        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 9, 1, 1, 8, 0, 0))
+        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 9, 1, 0, 1, 8, 0, 0))
     with pytest.raises(FrameError, match="announces sizes"):
-        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 1, 1, -1, 8, 0, 0))
+        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 1, 1, 0, -1, 8, 0, 0))
     with pytest.raises(FrameError, match="announces sizes"):  # more than a frame may carry
-        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 1, 0, 2**16, MAX_PAYLOAD_BYTES // 2**16, 0, 0))
+        parse_request_header(REQUEST.pack(REQUEST_MAGIC, 1, 0, 1, 1, 0, 0, 2**16, MAX_PAYLOAD_BYTES // 2**16, 0, 0))
     with pytest.raises(FrameError, match="not a reply frame"):
         parse_reply_header(good[: REPLY.size])
 
@@ -176,10 +179,12 @@ def test_a_peer_that_closes_after_the_poll_budget_is_an_error_not_a_short_read()
 
 
 def test_the_expert_side_closes_connections_without_a_session_or_with_garbage_and_serves_the_rest():
-    def answer(request: ExpertRequest) -> ExpertReply:
+    def answer(request: ExpertRequest, deliver) -> ExpertReply:
         if request.layer < 0:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "bad layer")
-        return ExpertReply(request.hidden_states.float() + 1)
+        reply = ExpertReply(request.hidden_states.float() + 1)
+        deliver(reply)
+        return reply
 
     plane = SocketDataPlane("127.0.0.1", 0, "expert-0", answer)
     try:

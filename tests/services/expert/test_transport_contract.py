@@ -77,8 +77,11 @@ def expert_side():
     holder: dict = {}
 
     async def serve():
-        def answer_blocking(request):  # the servicer's blocking path: on the group's / connection's thread
-            return asyncio.run_coroutine_threadsafe(servicer.answer(request), loop).result()
+        def answer_blocking(request, deliver=None):  # the servicer's blocking path: on the plane's thread
+            reply = asyncio.run_coroutine_threadsafe(servicer.answer(request), loop).result()
+            if deliver is not None:
+                deliver(reply)
+            return reply
 
         servicer = _Servicer(lambda: DistDataPlane("127.0.0.1", "expert-0", answer_blocking),
                              lambda: SocketDataPlane("127.0.0.1", 0, "expert-0", answer_blocking))  # fmt: skip
