@@ -31,10 +31,11 @@ before it blocks. A vCPU that idles through the expert's compute comes back with
 (measured on a 2-vCPU KVM guest: dispatch planning of 32x8 entries 37 us warm, ~390 us after a
 20 ms sleep, ~58 us after a 20 ms busy spin), so blocking makes the CPU work around each call
 several times slower. Same machine, x1 socket, 2 MoE layers: floor 0.15 -> 0.04 ms and overhead
-1.64 -> 1.21 ms/layer with `--busy-poll 0` -> `0.05`. Polling keeps a core awake, not its caches
-warm: on that guest the attention side's dispatch planning (RemoteExpertExecutor.submit, fake
-transport) takes 0.13-0.2 ms after a 4 ms busy spin but 0.34 ms after a 27 ms one (about one
-expert compute of this shape) and 1.2 ms after a 20 ms sleep; the expert side streams ~100 MB of
+1.64 -> 1.21 ms/layer with `--busy-poll 0` -> `0.05`. Polling keeps caches only partly warm, less
+the longer the wait: on that guest (another day) the whole attention-side submit (planning plus
+encoding the request; RemoteExpertExecutor.submit over a fake transport) takes 0.13-0.2 ms after a
+4 ms busy spin, 0.34 ms after a 27 ms one (about one expert compute of this shape) and 1.2 ms
+after a 20 ms sleep; the expert side streams ~100 MB of
 weights per layer between two requests. So the remaining overhead is Python/numpy work run from
 cold caches on both sides, and it shrinks with the number of operations on the path, not with
 the transport.

@@ -165,10 +165,9 @@ class RemoteExpertExecutor(ExpertExecutor):
         replica_ids = placement.replica_ids(layer, topk_ids).cpu().numpy()  # [num_tokens, top_k]
         entries = sort_entries(replica_ids, topk_ids.cpu().numpy(), placement.slot_owner)
         replicas = entries.replicas
+        # route around workers that failed recently (stranded entries try anyway); none: no lookup
         slot_down = self._slot_down(placement) if self._down_until else None
-        if (
-            slot_down is not None and slot_down.any()
-        ):  # route around workers that failed recently (stranded entries try anyway)
+        if slot_down is not None and slot_down.any():
             replicas, _ = reroute(replicas, entries.experts, slot_down, placement.log2phy_np[layer],
                                   placement.replica_counts_np[layer])  # fmt: skip
             batches = group_by_worker(replicas, entries.experts, entries.tokens, np.arange(replicas.size),

@@ -87,7 +87,7 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
                         f"group_slots, group_experts and group_rows must have one value per group, got "
                         f"{slots.size}, {experts.size} and {sizes.size}")  # fmt: skip
     placement = hosted.placement
-    if _out_of(slots, 0, placement.num_slots) or _out_of(sizes, 0, 1 << 31):
+    if _out_of(slots, 0, placement.num_slots) or (sizes.size and int(sizes.min()) < 0):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"groups name slots outside [0, {placement.num_slots}) "
                                                           "or negative row counts")  # fmt: skip
     local = hosted.local_index[slots]

@@ -142,12 +142,9 @@ class SocketDataPlane:
             return
         except CallError as e:
             frames = encode_error(sequence_id, e.code, str(e))
-        except OSError:
-            if sent:
-                raise
-            logger.exception("socket data plane request %d failed", sequence_id)
-            frames = encode_error(sequence_id, grpc.StatusCode.INTERNAL, "the expert computation failed")
         except Exception as e:  # a bug: answer it as gRPC would (INTERNAL) and keep the connection
+            if sent and isinstance(e, OSError):
+                raise  # writing the reply failed: the connection is gone
             logger.exception("socket data plane request %d failed", sequence_id)
             if sent:  # the reply went out; what failed is the worker's bookkeeping after it
                 return

@@ -5,6 +5,7 @@ or send garbage while it keeps serving the others."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -182,8 +183,12 @@ def test_the_expert_side_closes_connections_without_a_session_or_with_garbage_an
     def answer(request: ExpertRequest, deliver) -> ExpertReply:
         if request.layer < 0:
             raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "bad layer")
+        if request.layer == 7:  # a bug before the reply: answered INTERNAL
+            raise RuntimeError("boom")
         reply = ExpertReply(request.hidden_states.float() + 1)
         deliver(reply)
+        if request.layer == 8:  # a bug after the reply went out: no second frame for it
+            raise RuntimeError("bookkeeping")
         return reply
 
     plane = SocketDataPlane("127.0.0.1", 0, "expert-0", answer)
@@ -213,12 +218,16 @@ def test_the_expert_side_closes_connections_without_a_session_or_with_garbage_an
         request = random_request(torch.bfloat16, 4, True)
         good.send(encode_request(1, ExpertRequest(-1, 1, request.hidden_states, *[np.zeros(0, np.int32)] * 4)))
         good.send(encode_request(2, request))
-        for sequence_id in (1, 2):
+        for sequence_id, layer in ((3, 7), (4, 8), (5, 3)):
+            good.send(encode_request(sequence_id, dataclasses.replace(request, layer=layer)))
+        for sequence_id in (1, 2, 3, 4, 5):
             header = parse_reply_header(good.read_exact(REPLY.size))
             payload = good.read_exact(header.payload_bytes)
             assert header.sequence_id == sequence_id
             if sequence_id == 1:
                 assert status_name(header) == "INVALID_ARGUMENT" and bytes(payload) == b"bad layer"
+            elif sequence_id == 3:
+                assert status_name(header) == "INTERNAL" and bytes(payload) == b"boom"
             else:
                 assert torch.equal(decode_reply(header, payload).outputs, request.hidden_states.float() + 1)
         plane.close()  # stops reading: the open connection ends
