@@ -1,12 +1,14 @@
-"""PyTorch's weight-only quantized CPU matmuls on SmolLM2-135M's projection shapes, against dense
-float32 / bfloat16, at M = 1 (one decoding request) and M = 64 (a full decode round).
+"""Weight-only quantized CPU matmuls on SmolLM2-135M's projection shapes, against dense float32 /
+bfloat16, at M = 1 (one decoding request) and M = 64 (a full decode round).
 
     python benchmarks/quantized_kernels.py [--iters 20]
 
-Rows: dense F.linear; `_weight_int4pack_mm_for_cpu` (group 32, as Q4_0/Q4_1/Q4_K use); one
-`_weight_int8pack_mm` per 32-column group (Q8_0 has a scale per group, the kernel one per row);
-and layers/quantized_linear.py's dequantize-per-call (float32 rebuild + dense). Microseconds per
-call, best of 3 repeats; the CPU flags that decide which kernels are vectorized are printed too.
+Rows: dense F.linear; `_weight_int4pack_mm_for_cpu` (group 32, as Q4_0/Q4_1/Q4_K use, bf16 only);
+one `_weight_int8pack_mm` per 32-column group (Q8_0 has a scale per group, the kernel one per
+row: the form this replaced); kernels/group_gemv.c on Q8_0 codes (bf16 x) and Q4_1 nibbles
+(float32 x), which layers/quantized_linear.py runs at M <= 8; and its dequantize-per-call
+(float32 rebuild + dense), which it runs above that. Microseconds per call, best of 3 repeats;
+the CPU flags that decide which kernels are vectorized are printed too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from common import cpu_flags, print_table  # noqa: E402
 
 from moemesh.engine.layers.group_quantized import GroupQuantized  # noqa: E402
 from moemesh.engine.layers.quantized_linear import QuantizedLinear  # noqa: E402
+from moemesh.kernels import group_gemv  # noqa: E402
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}  # fmt: skip
@@ -50,10 +53,20 @@ def weight(n: int, k: int, bits: int) -> GroupQuantized:
     return GroupQuantized(codes, 8, 32, torch.rand(n, groups) * 1e-3, None, "Q8_0")
 
 
+def int8_groups(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One `_weight_int8pack_mm` per group: codes [G, N, group] int8, scales [G, N] bf16."""
+    xg = x.view(x.shape[0], codes.shape[0], -1).transpose(0, 1).contiguous()  # [G, M, group]
+    y = torch.ops.aten._weight_int8pack_mm(xg[0], codes[0], scales[0]).float()
+    for g in range(1, codes.shape[0]):
+        y += torch.ops.aten._weight_int8pack_mm(xg[g], codes[g], scales[g])
+    return y.to(x.dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
+    has_gemv = group_gemv.library() is not None
     rows = []
     for name, (n, k) in SHAPES.items():
         dense32 = torch.randn(n, k)
@@ -61,7 +74,10 @@ def main() -> None:
         q4_bf16, q4_f32, q8_bf16 = QuantizedLinear(k, n), QuantizedLinear(k, n), QuantizedLinear(k, n)
         q4_bf16.load(weight(n, k, 4), torch.bfloat16)
         q4_f32.load(weight(n, k, 4), torch.float32)
-        q8_bf16.load(weight(n, k, 8), torch.bfloat16)
+        q8 = weight(n, k, 8)
+        q8_bf16.load(q8, torch.bfloat16)
+        groups_codes = q8.codes.view(n, k // 32, 32).transpose(0, 1).contiguous()  # [G, N, 32]
+        groups_scales = q8.scale.T.bfloat16().contiguous()  # [G, N]
         for m in (1, 64):
             iters = max(2, args.iters // (8 if name == "lm_head" else 1) // (4 if m == 64 else 1))
             x32 = torch.randn(m, k)
@@ -70,14 +86,18 @@ def main() -> None:
                 "dense fp32": timed(lambda: F.linear(x32, dense32), iters),
                 "dense bf16": timed(lambda: F.linear(x16, dense16), iters),
                 "int4pack bf16": timed(lambda: q4_bf16(x16), iters),
-                "int8 groups bf16": timed(lambda: q8_bf16._int8_groups(x16), iters),
+                "int8 groups bf16": timed(lambda: int8_groups(x16, groups_codes, groups_scales), iters),
+                "C int8 bf16": timed(lambda: group_gemv.group_gemv(x16, q8_bf16.codes, q8_bf16.scales), iters)
+                if has_gemv else float("nan"),
+                "C q4 fp32": timed(lambda: group_gemv.group_gemv(x32, q4_f32.codes, q4_f32.scales, q4_f32.mins),
+                                   iters) if has_gemv else float("nan"),
                 "dequant+dense bf16": timed(lambda: q8_bf16._dequantized_matmul(x16), max(2, iters // 4)),
-                "dequant+dense fp32": timed(lambda: q4_f32(x32), max(2, iters // 4)),
-            }
+                "dequant+dense fp32": timed(lambda: q4_f32._dequantized_matmul(x32), max(2, iters // 4)),
+            }  # fmt: skip
             rows.append([name, f"{n}x{k}", m, *(f"{v:.0f}" for v in cells.values())])
             print_table(["projection", "N x K", "M", *cells], rows)
-    print(f"\nmicroseconds per call; torch {torch.__version__}, threads {torch.get_num_threads()}; CPU flags: "
-          f"{' '.join(cpu_flags()) or 'none of the listed'}")  # fmt: skip
+    print(f"\nmicroseconds per call; torch {torch.__version__}, threads {torch.get_num_threads()}; C GEMV: "
+          f"{'built' if has_gemv else 'no compiler'}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from moemesh.engine.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from moemesh.engine.layers.quantized_linear import GEMV_MAX_M, QuantizedEmbedding, QuantizedLinear
 from moemesh.engine.loader.gguf_blocks import read_blocks
+from moemesh.kernels import group_gemv
 
 N, K = 96, 512  # K: two K-quant super-blocks
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -64,7 +65,7 @@ def test_blocks_read_as_codes_and_scales_dequantize_bit_for_bit_like_gguf(qtype)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("num_tokens", [1, 16])
+@pytest.mark.parametrize("num_tokens", [1, 16])  # the C GEMV, dequantize + dense
 def test_float32_matmul_equals_the_float64_product_with_ggufs_weights_within_float32_rounding(qtype, num_tokens):
     module, data = loaded(qtype, torch.float32)
     x = torch.randn(num_tokens, K, generator=torch.Generator().manual_seed(1))
@@ -74,7 +75,7 @@ def test_float32_matmul_equals_the_float64_product_with_ggufs_weights_within_flo
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("num_tokens", [1, 3, 16])  # 3: int8 groups and int4pack below a full block of 4 rows
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])  # 3: the C GEMV, and int4pack below a full block of 4 rows
 def test_bfloat16_matmul_is_within_bfloat16_rounding_of_the_float64_product(qtype, num_tokens):
     module, data = loaded(qtype, torch.bfloat16)
     x = torch.randn(num_tokens, K, generator=torch.Generator().manual_seed(2))
@@ -108,12 +109,29 @@ def test_scales_keep_ggufs_float16_when_exact_and_float32_for_k_quant_products()
     assert loaded("Q4_K", torch.float32)[0].scales.dtype == torch.float32
 
 
-def test_fallback_to_dequantizing_per_call_is_logged_once_per_type(caplog):
+def test_without_a_c_compiler_weights_dequantize_per_call_logged_once_per_type(monkeypatch, caplog):
+    monkeypatch.setattr(group_gemv, "library", lambda: None)
     with caplog.at_level(logging.INFO, logger="moemesh.engine.layers.quantized_linear"):
-        loaded("Q4_0", torch.float16)
-        loaded("Q4_0", torch.float16)
+        module, data = loaded("Q4_0", torch.float32)
+        loaded("Q4_0", torch.float32)
     lines = [r.getMessage() for r in caplog.records if "Q4_0" in r.getMessage()]
     assert len(lines) == 1 and "dequantizing per call" in lines[0]
+    x = torch.randn(2, K)
+    w = reference(data, "Q4_0")
+    bound = (x.double().abs() @ w.abs().T) * 1e-5
+    assert ((module(x).double() - x.double() @ w.T).abs() <= bound).all()
+
+
+def test_decode_rows_use_the_c_gemv_and_larger_rounds_dequantize(monkeypatch):
+    if group_gemv.library() is None:
+        pytest.skip("no C compiler here")
+    module, _ = loaded("Q8_0", torch.bfloat16)
+    calls = []
+    real = group_gemv.group_gemv
+    monkeypatch.setattr(group_gemv, "group_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    module(torch.randn(GEMV_MAX_M, K).bfloat16())
+    module(torch.randn(GEMV_MAX_M + 1, K).bfloat16())
+    assert calls == [GEMV_MAX_M]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])

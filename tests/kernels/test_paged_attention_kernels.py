@@ -64,12 +64,12 @@ DECODE_CONTEXTS = [13, 0, 1, 40, 37]
 PREFILL_REQUESTS = [(0, 7), (13, 21), (5, 0), (0, 0), (9, 1), (20, 17)]
 
 
-def _decode_case(num_kv_heads, group, dtype):
+def _decode_case(num_kv_heads, group, dtype, contexts=DECODE_CONTEXTS):
     k_cache, v_cache = _caches(num_kv_heads, dtype)
-    tables = random_block_tables(DECODE_CONTEXTS, BLOCK_SIZE, 9, k_cache.shape[0])
-    query = torch.randn(len(DECODE_CONTEXTS), num_kv_heads * group, HEAD_DIM, dtype=dtype)
-    context_lens = torch.tensor(DECODE_CONTEXTS, dtype=torch.int32)
-    expected = _naive_paged(query, k_cache, v_cache, [1] * len(DECODE_CONTEXTS), DECODE_CONTEXTS, tables, num_kv_heads)
+    tables = random_block_tables(contexts, BLOCK_SIZE, 9, k_cache.shape[0])
+    query = torch.randn(len(contexts), num_kv_heads * group, HEAD_DIM, dtype=dtype)
+    context_lens = torch.tensor(contexts, dtype=torch.int32)
+    expected = _naive_paged(query, k_cache, v_cache, [1] * len(contexts), contexts, tables, num_kv_heads)
     return (query, k_cache, v_cache, tables, context_lens, SCALE), expected
 
 
@@ -114,6 +114,14 @@ def test_references_match_the_float64_oracle(num_kv_heads, group, dtype):
     assert_close_f64(paged_decode_attention_ref(*args), expected, dtype)
     args, expected = _prefill_case(num_kv_heads, group, dtype)
     assert_close_f64(paged_prefill_attention_ref(*args), expected, dtype)
+
+
+@pytest.mark.parametrize("context", [1, 13, 40])  # inside a block, a block's end, past several
+@pytest.mark.parametrize("num_kv_heads,group,dtype", CASES)
+def test_single_request_decode_reference_matches_the_float64_oracle(num_kv_heads, group, dtype, context):
+    """One request takes its own path (fused attention over K/V cut to its context)."""
+    args, expected = _decode_case(num_kv_heads, group, dtype, [context])
+    assert_close_f64(paged_decode_attention_ref(*args), expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

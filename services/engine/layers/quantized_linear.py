@@ -8,16 +8,18 @@ three storage forms, and with it the kernel:
   `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group. With GGUF's
   w = scale * q + min that is zero = min + 8 * scale; the pair is stored in bfloat16, the only
   dtype whose x86 kernel is vectorized (float32 runs a scalar loop), so scales are rounded to bf16.
-- `int8` (8-bit codes: Q8_0, Q6_K): codes [G, N, group] int8 and scales [G, N]. In bfloat16 on CPU,
-  a round of at most `INT8_GROUPS_MAX_M` tokens sums `_weight_int8pack_mm` over the column groups
-  (its scale is per output row, so each group is one call); larger rounds dequantize.
-- `nibbles` (4-bit codes otherwise): two codes per byte, scale/min [N, G]; dequantizes per call.
+  It beats the C kernel below on every SmolLM2 shape at M = 1 and 64 (benchmarks/quantized_kernels.py).
+- `int8` (8-bit codes: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
+- `nibbles` (4-bit codes otherwise: float32 activations, gathered embeddings): two codes per byte
+  in kernels/group_gemv.c's order (GGUF's own), scales and mins [N, G].
 
-"Dequantize per call" rebuilds the weight, `CHUNK_ROWS` rows at a time, in float32 from the
-exact scales (float16 where that is exact, float32 otherwise), casts it to the activation dtype
-and multiplies: in float32 it is exactly `gguf.quants.dequantize(...)`, at the cost of
-rebuilding the matrix for every call (float32 has no vectorized quantized kernel on x86). No
-full-precision copy of a weight outlives a call.
+`int8` and `nibbles` multiply a round of at most `GEMV_MAX_M` rows with the C kernel
+(kernels/group_gemv.py: exact scales, float32 sums, the weight read once at memory bandwidth) and
+dequantize per call above that, or where no C compiler built it (logged once). "Dequantize per
+call" rebuilds the weight, `CHUNK_ROWS` rows at a time, in float32 from the exact scales (float16
+where that is exact, float32 otherwise), casts it to the activation dtype and multiplies: in
+float32 it is exactly `gguf.quants.dequantize(...)`. No full-precision copy of a weight outlives a
+call.
 
 `QuantizedEmbedding` gathers rows of codes and dequantizes only those; a tied lm_head is the same
 module's `linear`.
@@ -26,18 +28,18 @@ module's `linear`.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moemesh.engine.layers.group_quantized import GroupQuantized
+from moemesh.kernels import group_gemv
 
 log = logging.getLogger(__name__)
 
 INT4PACK_GROUPS = (32, 64, 128, 256)  # group sizes _weight_int4pack_mm_for_cpu takes
-INT8_GROUPS_MAX_M = 8  # above this many rows, dequantize + dense beats one int8 call per group
+GEMV_MAX_M = 8  # above this many rows, dequantize + dense beats the C GEMV (it re-reads the weight per 8 rows)
 CHUNK_ROWS = 8192  # rows dequantized at once (bounds the transient copy of a large weight)
 _logged: set[tuple[str, str, str]] = set()
 
@@ -45,17 +47,23 @@ _logged: set[tuple[str, str, str]] = set()
 def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather: bool) -> str:
     """The storage form for `weight` run with `dtype` activations; `gather`: rows are also read
     one by one (an embedding), which the int4pack layout cannot do."""
-    fast = torch.device(device).type == "cpu" and dtype == torch.bfloat16
-    if weight.bits == 8:
-        form = "int8"
-        if not fast:
-            _log_once(weight.qtype, dtype, "int8: no vectorized PyTorch kernel for this dtype; dequantizing per call")
-        return form
-    if fast and not gather and weight.group_size in INT4PACK_GROUPS:
+    cpu = torch.device(device).type == "cpu"
+    if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
         return "int4pack"
-    reason = "rows are gathered (embedding)" if gather else f"no vectorized int4 kernel for {dtype} on {device}"
-    _log_once(weight.qtype, dtype, f"nibbles: {reason}; dequantizing per call")
-    return "nibbles"
+    form = "int8" if weight.bits == 8 else "nibbles"
+    if form == "nibbles" and weight.group_size % 32:
+        raise ValueError(f"{weight.qtype}: 4-bit codes in groups of {weight.group_size} (a multiple of 32 is needed)")
+    if not cpu or group_gemv.library() is None:
+        _log_once(weight.qtype, dtype, f"{form}: no C GEMV for {device}; dequantizing per call")
+    return form
+
+
+def _exact_pair(scale: torch.Tensor, minimum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both float16 when both survive the round trip (GGUF's own d and m do), else both float32
+    (the C kernel reads one dtype)."""
+    if all(t is None or torch.equal(t.half().float(), t) for t in (scale, minimum)):
+        return scale.half(), None if minimum is None else minimum.half()
+    return scale.float(), None if minimum is None else minimum.float()
 
 
 def _log_once(qtype: str, dtype: torch.dtype, what: str) -> None:
@@ -63,12 +71,6 @@ def _log_once(qtype: str, dtype: torch.dtype, what: str) -> None:
     if key not in _logged:
         _logged.add(key)
         log.info("%s weights with %s activations -> %s", qtype, str(dtype).removeprefix("torch."), what)
-
-
-def _exact(t: torch.Tensor) -> torch.Tensor:
-    """float16 when every value survives the round trip (GGUF's own d and m do), else float32."""
-    half = t.half()
-    return half if torch.equal(half.float(), t) else t
 
 
 class QuantizedLinear(nn.Module):
@@ -94,28 +96,21 @@ class QuantizedLinear(nn.Module):
             weight.qtype,
             weight.group_size,
         )
-        num_groups = k // weight.group_size
         if self.form == "int4pack":
             minimum = weight.min if weight.min is not None else torch.zeros_like(weight.scale)
             zero = minimum + 8 * weight.scale  # (q - 8) * scale + zero == scale * q + min
             scales_zeros = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1)  # [G, N, 2]
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
             self.register_buffer("scales_zeros", scales_zeros.to(dtype).contiguous())
-        elif self.form == "int8":
-            codes = weight.codes.view(n, num_groups, weight.group_size).transpose(0, 1)  # [G, N, group]
-            scales = weight.scale.T  # [G, N]
-            if weight.min is not None:
-                raise ValueError(f"{weight.qtype}: 8-bit codes with a min are not supported")
-            self.register_buffer("codes", codes.contiguous())
-            self.register_buffer(
-                "scales", (scales.to(dtype) if dtype == torch.bfloat16 else _exact(scales)).contiguous()
-            )
         else:
-            codes = weight.codes
-            self.register_buffer("codes", (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous())  # [N, K / 2]
-            self.register_buffer("scales", _exact(weight.scale).T.contiguous())  # [G, N]
-            if weight.min is not None:
-                self.register_buffer("mins", _exact(weight.min).T.contiguous())  # [G, N]
+            if self.form == "int8" and weight.min is not None:
+                raise ValueError(f"{weight.qtype}: 8-bit codes with a min are not supported")
+            codes = weight.codes if self.form == "int8" else group_gemv.nibbles_from_codes(weight.codes)
+            scales, mins = _exact_pair(weight.scale, weight.min)
+            self.register_buffer("codes", codes.contiguous())  # [N, K] int8 or [N, K / 2] uint8
+            self.register_buffer("scales", scales.contiguous())  # [N, G]
+            if mins is not None:
+                self.register_buffer("mins", mins.contiguous())  # [N, G]
         self.to(device)
 
     # -- compute ----------------------------------------------------------------------------
@@ -125,75 +120,39 @@ class QuantizedLinear(nn.Module):
         if self.form == "int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
                                                            self.scales_zeros)  # fmt: skip
-        elif (
-            self.form == "int8" and self.scales.dtype == x2.dtype == torch.bfloat16 and x2.shape[0] <= INT8_GROUPS_MAX_M
-        ):
-            y = self._int8_groups(x2)
+        elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
+            y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
         else:
             y = self._dequantized_matmul(x2)
         return y.view(*lead, self.out_features)
 
-    def _int8_groups(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        num_groups = self.codes.shape[0]
-        xg = x.view(-1, num_groups, self.group_size).transpose(0, 1).contiguous()  # [G, M, group]
-        y = torch.ops.aten._weight_int8pack_mm(xg[0], self.codes[0], self.scales[0]).float()
-        for g in range(1, num_groups):
-            y += torch.ops.aten._weight_int8pack_mm(xg[g], self.codes[g], self.scales[g])
-        return y.to(x.dtype)
-
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         n = self.out_features
-        if self.form == "int8":  # one pass per chunk into a reused buffer: codes * scale in x's dtype
-            y = x.new_empty(x.shape[0], n)  # [M, N]
-            for r in range(0, n, CHUNK_ROWS):
-                rows = slice(r, min(r + CHUNK_ROWS, n))
-                y[:, rows] = F.linear(x, self._int8_rows(rows, x.dtype))
-            return y
         if n <= CHUNK_ROWS:
             return F.linear(x, self.dequantize_rows(slice(None), x.dtype))
-        parts = [F.linear(x, self.dequantize_rows(slice(r, r + CHUNK_ROWS), x.dtype)) for r in range(0, n, CHUNK_ROWS)]
-        return torch.cat(parts, dim=-1)
-
-    def _int8_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:  # [R, K] in a scratch buffer
-        """codes * scale for a slice of rows, in one pass. Exact in float32 (8-bit codes times a
-        float16 scale, or 6-bit times d * sc, fit its 24 bits); in bfloat16 the exact product is
-        rounded once, as a float32 dequantization cast to bf16 would be."""
-        codes = self.codes[:, rows].transpose(0, 1)  # [R, G, group] int8
-        scales = self.scales[:, rows].T.to(dtype)[..., None]  # [R, G, 1]
-        out = _scratch(codes.shape[0] * self.in_features, dtype).view(codes.shape)
-        torch.mul(codes, scales, out=out)
-        return out.view(-1, self.in_features)
+        y = x.new_empty(x.shape[0], n)  # [M, N]
+        for r in range(0, n, CHUNK_ROWS):
+            rows = slice(r, min(r + CHUNK_ROWS, n))
+            y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype))
+        return y
 
     def dequantize_rows(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [R, K]
-        """Rows of the real weight (all with `slice(None)`), computed in float32 then cast."""
+        """Rows of the real weight (all with `slice(None)`), computed in float32 then cast: codes
+        times scale (plus min) is exact in float32 (8-bit codes times a float16 scale, 6-bit times
+        d * sc, 4-bit plus a float16 min fit its 24 bits), rounded once to `dtype`."""
         if self.form == "int4pack":
             raise RuntimeError("int4pack weights are only multiplied; gathered weights use another form")
-        scales = self.scales[:, rows].T.float()  # [R, G]
-        if self.form == "int8":
-            codes = self.codes[:, rows].transpose(0, 1)  # [R, G, group]
-        else:
-            packed = self.codes[rows]  # [R, K / 2]
-            codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1)  # [R, K / 2, 2]
-            codes = codes.view(packed.shape[0], -1, self.group_size)  # [R, G, group]
-        w = codes.float() * scales[..., None]
+        codes = self.codes[rows]
+        if self.form == "nibbles":
+            codes = group_gemv.codes_from_nibbles(codes)
+        r = codes.shape[0]
+        w = codes.view(r, -1, self.group_size).float() * self.scales[rows].float()[..., None]  # [R, G, group]
         if hasattr(self, "mins"):
-            w += self.mins[:, rows].T.float()[..., None]
-        return w.reshape(-1, self.in_features).to(dtype)
+            w += self.mins[rows].float()[..., None]
+        return w.view(r, self.in_features).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype} as {self.form}"
-
-
-_local = threading.local()  # per thread: an engine runs one forward at a time on its thread
-
-
-def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused flat buffer for a dequantized chunk (at most CHUNK_ROWS x K)."""
-    buffers = _local.__dict__.setdefault("buffers", {})
-    buf = buffers.get(dtype)
-    if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
 
 
 class QuantizedEmbedding(nn.Module):

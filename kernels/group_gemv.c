@@ -1,0 +1,222 @@
+/* Group-quantized GEMV for the CPU (kernels/group_gemv.py builds and loads it).
+ *
+ *   y[m, n] = sum_g (scale[n, g] * sum_j q[n, g, j] * x[m, g, j] + min[n, g] * sum_j x[m, g, j])
+ *
+ * for a few rows of x (decode: one per request), x [M, K] float32, y [M, N] float32, scale and min
+ * [N, K / group] float32 or float16 (`half`), min optional (NULL). Two code layouts:
+ *   int8:    q [N, K] int8, row-major (GGUF Q8_0: groups of 32; Q6_K: 16);
+ *   nibbles: q [N, K / 2] uint8, each 32 columns of a row as 16 bytes, byte j holding column j in
+ *            its low and column j + 16 in its high nibble (GGUF's own Q4_0 / Q4_1 / Q4_K order).
+ * The weights are read once for all M rows: each code is widened to float32 once, multiplied with
+ * every row of x, and each group's products are scaled lane by lane (no horizontal sum until the
+ * row's end). Sums in float32 with fused multiply-adds.
+ *
+ * Built with -march=native: AVX-512 or AVX2 where the compiler targets them, a scalar loop otherwise.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MAX_M 8
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: renormalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline float load_scale(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* code j of a row in either layout */
+static inline float code_at(const uint8_t *row, int64_t j, int nibbles) {
+    if (!nibbles) return (float)((const int8_t *)row)[j];
+    uint8_t b = row[(j / 32) * 16 + (j % 16)];
+    return (float)((j % 32) < 16 ? (b & 0x0F) : (b >> 4));
+}
+
+static void rows_scalar(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half,
+                        const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                        int64_t row_begin, int64_t row_end) {
+    int64_t num_groups = k / group, row_bytes = nibbles ? k / 2 : k;
+    for (int64_t r = row_begin; r < row_end; r++) {
+        const uint8_t *c = codes + r * row_bytes;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < num_groups; g++) {
+                float dot = 0.0f, sum = 0.0f;
+                for (int64_t j = g * group; j < (g + 1) * group; j++) {
+                    dot += code_at(c, j, nibbles) * xi[j];
+                    sum += xi[j];
+                }
+                acc += load_scale(scale, r * num_groups + g, half) * dot;
+                if (mins) acc += load_scale(mins, r * num_groups + g, half) * sum;
+            }
+            y[i * n + r] = acc;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define VEC __m512
+#define ZERO() _mm512_setzero_ps()
+#define LOAD(p) _mm512_loadu_ps(p)
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SET1(s) _mm512_set1_ps(s)
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+static inline __m512 widen_i8(const int8_t *p) { /* 16 codes */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline void widen_nibbles(const uint8_t *p, __m512 *low, __m512 *high) { /* 16 bytes: 32 codes */
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+    *high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#elif defined(__AVX2__)
+#define LANES 8
+#define VEC __m256
+#define ZERO() _mm256_setzero_ps()
+#define LOAD(p) _mm256_loadu_ps(p)
+#define MUL(a, b) _mm256_mul_ps(a, b)
+#define ADD(a, b) _mm256_add_ps(a, b)
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SET1(s) _mm256_set1_ps(s)
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 widen_i8(const int8_t *p) { /* 8 codes */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void widen_nibbles(const uint8_t *p, __m256 *low, __m256 *high) { /* 8 bytes: 16 codes */
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+    *high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#endif
+
+#ifdef LANES
+/* Inlined with constant m, group and layout (the dispatch below), so that the loops unroll and the
+ * accumulators stay in registers. Group sums of x (for the mins) are taken once per call. */
+static inline __attribute__((always_inline)) void rows_vector(const uint8_t *codes, const int nibbles,
+                                                              const void *scale, const void *mins,
+                                                              const int half, const float *x, float *y,
+                                                              const int64_t m, int64_t n, int64_t k,
+                                                              const int64_t group, const float *xsum,
+                                                              int64_t row_begin, int64_t row_end) {
+    int64_t num_groups = k / group, row_bytes = nibbles ? k / 2 : k;
+    for (int64_t r = row_begin; r < row_end; r++) {
+        const uint8_t *c = codes + r * row_bytes;
+        VEC acc[MAX_M];
+        float tail[MAX_M];
+        for (int64_t i = 0; i < m; i++) acc[i] = ZERO(), tail[i] = 0.0f;
+        for (int64_t g = 0; g < num_groups; g++) {
+            const float *xg = x + g * group;
+            VEC sg = SET1(load_scale(scale, r * num_groups + g, half));
+            VEC part[MAX_M];
+            if (nibbles) { /* group is a multiple of 32: 16 bytes per 32 columns */
+                const uint8_t *cg = c + g * group / 2;
+                for (int64_t j = 0; j < group; j += 32) {
+                    for (int64_t h = 0; h < 16; h += LANES) {
+                        VEC low, high;
+                        widen_nibbles(cg + j / 2 + h, &low, &high);
+                        for (int64_t i = 0; i < m; i++) {
+                            VEC t = MUL(low, LOAD(xg + i * k + j + h));
+                            t = FMA(high, LOAD(xg + i * k + j + 16 + h), t);
+                            part[i] = (j == 0 && h == 0) ? t : ADD(part[i], t);
+                        }
+                    }
+                }
+            } else {
+                const int8_t *cg = (const int8_t *)c + g * group;
+                VEC w = widen_i8(cg);
+                for (int64_t i = 0; i < m; i++) part[i] = MUL(w, LOAD(xg + i * k));
+                for (int64_t j = LANES; j < group; j += LANES) {
+                    w = widen_i8(cg + j);
+                    for (int64_t i = 0; i < m; i++) part[i] = FMA(w, LOAD(xg + i * k + j), part[i]);
+                }
+            }
+            for (int64_t i = 0; i < m; i++) acc[i] = FMA(sg, part[i], acc[i]);
+            if (mins) {
+                float mg = load_scale(mins, r * num_groups + g, half);
+                for (int64_t i = 0; i < m; i++) tail[i] += mg * xsum[i * num_groups + g];
+            }
+        }
+        for (int64_t i = 0; i < m; i++) y[i * n + r] = hsum(acc[i]) + tail[i];
+    }
+}
+
+#define CASE_M(M, NIB, G)                                                                          \
+    case M:                                                                                        \
+        rows_vector(codes, NIB, scale, mins, half, x, y, M, n, k, G, xsum, row_begin, row_end);    \
+        return 0;
+#define SWITCH_M(NIB, G)                                                                           \
+    switch (m) {                                                                                   \
+        CASE_M(1, NIB, G) CASE_M(2, NIB, G) CASE_M(3, NIB, G) CASE_M(4, NIB, G)                    \
+        CASE_M(5, NIB, G) CASE_M(6, NIB, G) CASE_M(7, NIB, G) CASE_M(8, NIB, G)                    \
+    }                                                                                              \
+    return -1;
+
+static int rows_dispatch(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half,
+                         const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                         const float *xsum, int64_t row_begin, int64_t row_end) {
+    if (nibbles && group == 32) {
+        SWITCH_M(1, 32)
+    } else if (!nibbles && group == 32) {
+        SWITCH_M(0, 32)
+    } else if (!nibbles && group == 16) {
+        SWITCH_M(0, 16)
+    }
+    return -1;
+}
+#endif
+
+/* Rows [row_begin, row_end) of y. `xsum` [M, K / group]: the group sums of x (read only with mins).
+ * Returns 0, or -1 when the shapes are not supported. */
+int group_gemv(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half, const float *x,
+               const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t row_begin,
+               int64_t row_end) {
+    if (m < 1 || m > MAX_M || group < 1 || k % group || (nibbles && group % 32) || row_begin < 0 || row_end > n ||
+        row_begin > row_end)
+        return -1;
+#ifdef LANES
+    if (rows_dispatch(codes, nibbles, scale, mins, half, x, y, m, n, k, group, xsum, row_begin, row_end) == 0)
+        return 0;
+#endif
+    rows_scalar(codes, nibbles, scale, mins, half, x, y, m, n, k, group, row_begin, row_end);
+    return 0;
+}
+
+/* The vectors the library was built for: 512, 256 (bits) or 0 (scalar). */
+int group_gemv_width(void) {
+#ifdef LANES
+    return LANES * 32;
+#else
+    return 0;
+#endif
+}
