@@ -6,7 +6,9 @@ Greedy, ignore_eos, `--max-tokens` new tokens per request, at 1 request and at e
 `--num-requests`. Rows:
 - moemesh quantized: bfloat16 activations, the GGUF's Q4_1/Q8_0 weights kept quantized
   (what dtype / quantization "auto" pick on a CPU with native bf16);
-- moemesh float32: weights dequantized to float32 at load (what "auto" picks without native bf16);
+- moemesh quantized float32: float32 activations on the same quantized weights (what "auto" picks
+  without native bf16: the C GEMV of kernels/group_gemv.c at decode, dequantize per call above);
+- moemesh float32: weights dequantized to float32 at load;
 - HF static batching (`generate` with left padding, one batch) and HF continuous batching
   (`generate_batch`), both on the file dequantized to the row's dtype;
 - llama.cpp (`llama-cpp-python`, the `bench` extra; never a test dependency) on the same GGUF file,
@@ -19,6 +21,7 @@ resident weight bytes per engine and the CPU flags.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
@@ -31,7 +34,8 @@ from common import cpu_flags, make_prompts, print_table  # noqa: E402
 from moemesh import LLM, SamplingParams  # noqa: E402
 from moemesh.engine.loader import default_model_path  # noqa: E402
 
-ENGINES = {"quantized": ("bfloat16", "gguf"), "float32": ("float32", "none")}  # row -> (dtype, quantization)
+# row -> (dtype, quantization); HF runs once per dtype
+ENGINES = {"quantized": ("bfloat16", "gguf"), "quantized float32": ("float32", "gguf"), "float32": ("float32", "none")}
 
 
 def run_moemesh(llm: LLM, prompt_ids: list[list[int]], max_tokens: int) -> float:
@@ -71,15 +75,45 @@ def run_hf_continuous(model, prompt_ids: list[list[int]], max_tokens: int) -> fl
     return sum(len(r.generated_tokens) for r in results.values()) / elapsed
 
 
-def run_llama_cpp(path: str, prompt_ids: list[int], max_tokens: int) -> float | None:
-    """Tokens/s of one greedy sequence (EOS ignored: the generator is simply read max_tokens times);
-    the prompt is evaluated inside the timing, as moemesh's and HF's prefill are."""
+def run_llama_cpp(path: str, prompt_ids: list[int], max_tokens: int) -> tuple[float, str] | None:
+    """(tokens/s of one greedy sequence, how llama.cpp ran), or None when it is not installed.
+
+    Each try runs in a child process: llama.cpp's default CPU path repacks the weights into its
+    AVX-512 / AMX layouts, and on one KVM guest that path died of a general-protection fault
+    (SIGSEGV) inside libggml-cpu. A crashed try is retried without the repacked buffers
+    (`use_extra_bufts=False`), and the row says so."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
+    ctx = multiprocessing.get_context("spawn")
     threads = torch.get_num_threads()
-    llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    for repack, how in ((True, "default"), (False, "no weight repacking (the default path crashed here)")):
+        queue = ctx.Queue()
+        child = ctx.Process(target=_llama_cpp_child, args=(path, prompt_ids, max_tokens, threads, repack, queue))
+        child.start()
+        child.join()
+        if child.exitcode == 0:
+            return queue.get(), how
+        print(f"llama.cpp ({'default' if repack else 'no repacking'}) exited with {child.exitcode}")
+    return float("nan"), "crashed"
+
+
+def _llama_cpp_child(path, prompt_ids, max_tokens, threads, repack, queue) -> None:
+    """Tokens/s of one greedy sequence (EOS ignored: the generator is simply read max_tokens times);
+    the prompt is evaluated inside the timing, as moemesh's and HF's prefill are."""
+    import llama_cpp
+
+    if not repack:
+        defaults = llama_cpp.llama_model_default_params
+
+        def no_repacking():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_cpp.llama_model_default_params = llama_cpp.llama_model_default_params = no_repacking
+    llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
     for steps, _ in enumerate(llm.generate(prompt_ids, temp=0.0, reset=True)):  # warm-up
         if steps >= 4:
             break
@@ -88,7 +122,7 @@ def run_llama_cpp(path: str, prompt_ids: list[int], max_tokens: int) -> float | 
     for num, _ in enumerate(llm.generate(prompt_ids, temp=0.0, reset=True), start=1):
         if num >= max_tokens:
             break
-    return num / (time.perf_counter() - start)
+    queue.put(num / (time.perf_counter() - start))
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -122,24 +156,34 @@ def main() -> None:
     file_bytes = os.path.getsize(path)
     counts = [1] + args.num_requests
     prompts = {num: [tokenizer(p).input_ids for p in make_prompts(num)] for num in counts}
-    llama_cpp = run_llama_cpp(path, prompts[1][0], args.max_tokens)
+    llama_run = run_llama_cpp(path, prompts[1][0], args.max_tokens)
+    llama_cpp, llama_how = llama_run if llama_run is not None else (None, "")
     rows, sizes = [], [["GGUF file", mb(file_bytes), "1.00x"]]
     if llama_cpp is not None:
         sizes.append(["llama.cpp (mmaps the file)", mb(file_bytes), "1.00x"])
+    hf_models, static_runs = {}, {}
     for engine, (dtype, quantization) in ENGINES.items():
         torch_dtype = getattr(torch, dtype)
-        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype).eval()
+        if dtype not in hf_models:
+            hf_models.clear()  # one HF model resident at a time
+            hf_models[dtype] = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype).eval()
+            sizes.append([f"HF {dtype}", mb(weight_bytes(hf_models[dtype])),
+                          f"{weight_bytes(hf_models[dtype]) / file_bytes:.2f}x"])  # fmt: skip
+        hf = hf_models[dtype]
         llm = LLM(path, dtype=dtype, quantization=quantization, max_num_seqs=max(counts), show_progress=False)
         sizes.append([f"moemesh {engine}", mb(weight_bytes(llm.engine.model)),
                       f"{weight_bytes(llm.engine.model) / file_bytes:.2f}x"])  # fmt: skip
-        sizes.append([f"HF {dtype}", mb(weight_bytes(hf)), f"{weight_bytes(hf) / file_bytes:.2f}x"])
         for num in counts:
             ours = run_moemesh(llm, prompts[num], args.max_tokens)
-            static = run_hf_static(hf, tokenizer, prompts[num], args.max_tokens)
             vs_llama = f"{ours / llama_cpp:.2f}x" if num == 1 and llama_cpp else "-"
+            first = (dtype, num) not in static_runs
+            if first:
+                static_runs[dtype, num] = run_hf_static(hf, tokenizer, prompts[num], args.max_tokens)
+            static = static_runs[dtype, num]
             rows.append([dtype, num, f"moemesh {engine}", f"{ours:.1f}", f"{ours / static:.2f}x", vs_llama])
-            rows.append([dtype, num, "HF static batching", f"{static:.1f}", "1.00x", "-"])
-            if not args.skip_hf_continuous and num > 1:
+            if first:
+                rows.append([dtype, num, "HF static batching", f"{static:.1f}", "1.00x", "-"])
+            if first and not args.skip_hf_continuous and num > 1:
                 try:
                     cb = f"{run_hf_continuous(hf, prompts[num], args.max_tokens):.1f}"
                     ratio = f"{float(cb) / static:.2f}x"
@@ -147,11 +191,12 @@ def main() -> None:
                     cb, ratio = f"failed: {type(e).__name__}", "-"
                 rows.append([dtype, num, "HF continuous batching", cb, ratio, "-"])
             print_table(["dtype", "requests", "engine", "tok/s", "vs HF static", "vs llama.cpp"], rows)
-        del hf, llm
+        del llm
+    hf_models.clear()
     if llama_cpp is None:
         print("llama.cpp: not installed (pip install -e '.[bench]')")
     else:
-        print(f"llama.cpp (GGUF as is), 1 request: {llama_cpp:.1f} tok/s")
+        print(f"llama.cpp (GGUF as is), 1 request: {llama_cpp:.1f} tok/s; {llama_how}")
     print_table(["weights", "resident bytes", "vs GGUF file"], sizes)
     print(f"\n{args.max_tokens} new tokens per request, greedy, ignore_eos; torch threads: {torch.get_num_threads()}; "
           f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}")  # fmt: skip

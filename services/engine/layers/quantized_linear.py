@@ -28,6 +28,7 @@ module's `linear`.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -128,31 +129,52 @@ class QuantizedLinear(nn.Module):
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         n = self.out_features
+        chunk = min(n, CHUNK_ROWS)
+        buffer = _scratch(chunk * self.in_features, x.dtype).view(chunk, self.in_features)
         if n <= CHUNK_ROWS:
-            return F.linear(x, self.dequantize_rows(slice(None), x.dtype))
+            return F.linear(x, self.dequantize_rows(slice(None), x.dtype, out=buffer))
         y = x.new_empty(x.shape[0], n)  # [M, N]
         for r in range(0, n, CHUNK_ROWS):
             rows = slice(r, min(r + CHUNK_ROWS, n))
-            y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype))
+            y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype, out=buffer[: rows.stop - rows.start]))
         return y
 
-    def dequantize_rows(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [R, K]
-        """Rows of the real weight (all with `slice(None)`), computed in float32 then cast: codes
-        times scale (plus min) is exact in float32 (8-bit codes times a float16 scale, 6-bit times
-        d * sc, 4-bit plus a float16 min fit its 24 bits), rounded once to `dtype`."""
+    def dequantize_rows(
+        self, rows: slice | torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [R, K]
+        """Rows of the real weight (all with `slice(None)`), in one pass: codes times scale (plus
+        min) computed in float32, where it is exact (8-bit codes times a float16 scale, 6-bit
+        times d * sc, 4-bit plus a float16 min fit its 24 bits), and rounded once to `dtype` as
+        it is stored (into `out`, [R, K], if given)."""
         if self.form == "int4pack":
             raise RuntimeError("int4pack weights are only multiplied; gathered weights use another form")
         codes = self.codes[rows]
         if self.form == "nibbles":
             codes = group_gemv.codes_from_nibbles(codes)
         r = codes.shape[0]
-        w = codes.view(r, -1, self.group_size).float() * self.scales[rows].float()[..., None]  # [R, G, group]
+        codes = codes.view(r, -1, self.group_size)  # [R, G, group]
+        w = torch.empty(codes.shape, dtype=dtype) if out is None else out.view(codes.shape)
+        scales = self.scales[rows].float()[..., None]  # [R, G, 1]
         if hasattr(self, "mins"):
-            w += self.mins[rows].float()[..., None]
-        return w.view(r, self.in_features).to(dtype)
+            torch.addcmul(self.mins[rows].float()[..., None], codes, scales, out=w)
+        else:
+            torch.mul(codes, scales, out=w)
+        return w.view(r, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype} as {self.form}"
+
+
+_local = threading.local()  # per thread: an engine runs one forward at a time on its thread
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused flat buffer for a dequantized chunk (at most CHUNK_ROWS x K)."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class QuantizedEmbedding(nn.Module):
