@@ -110,3 +110,17 @@ def test_a_missing_compiler_or_an_unwritable_cache_gives_none_and_a_log_line(mon
         assert "failed" in caplog.text
     finally:
         gg.build.cache_clear()
+
+
+def test_large_weights_split_their_rows_over_torchs_threads_with_the_same_result(monkeypatch):
+    lib = _library("native")
+    assert gg._row_ranges(2048, 2048 * 576, 3) == [(0, 682), (682, 1365), (1365, 2048)]
+    assert gg._row_ranges(2048, 1000, 3) == [(0, 2048)]  # small: one thread
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (2048, 576), dtype=torch.int8, generator=gen)
+    scale = torch.rand(2048, 18, generator=gen).half()
+    x = torch.randn(3, 576, generator=gen)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = gg.group_gemv(x, codes, scale, lib=lib)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert torch.equal(gg.group_gemv(x, codes, scale, lib=lib), one)  # each row is summed the same way
