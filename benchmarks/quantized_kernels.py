@@ -3,11 +3,12 @@ bfloat16, at M = 1 (one decoding request) and M = 64 (a full decode round).
 
     python benchmarks/quantized_kernels.py [--iters 20]
 
-Rows: dense F.linear; `_weight_int4pack_mm_for_cpu` (group 32, as Q4_0/Q4_1/Q4_K use, bf16 only);
-one `_weight_int8pack_mm` per 32-column group (Q8_0 has a scale per group, the kernel one per
-row: the form this replaced); kernels/group_gemv.c on Q8_0 codes (bf16 x) and Q4_1 nibbles
-(float32 x), which layers/quantized_linear.py runs at M <= 8; and its dequantize-per-call
-(float32 rebuild + dense), which it runs above that. Microseconds per call, best of 3 repeats;
+Columns: dense F.linear; `_weight_int4pack_mm_for_cpu` (group 32, as Q4_0/Q4_1/Q4_K use, bf16
+only), which layers/quantized_linear.py runs at M <= 8, and above that W^T rebuilt from its layout
+by kernels/group_gemv.c plus a dense bf16 matmul; one `_weight_int8pack_mm` per 32-column group
+(Q8_0 has a scale per group, the kernel one per row: the form this replaced); the C GEMV on Q8_0
+codes (bf16 x) and Q4_1 nibbles (float32 x), run at M <= 8; and its dequantize-per-call (the C
+rebuild + dense), run above that. Microseconds per call, best of 3 repeats;
 the CPU flags that decide which kernels are vectorized are printed too.
 """
 
@@ -85,14 +86,17 @@ def main() -> None:
             cells = {
                 "dense fp32": timed(lambda: F.linear(x32, dense32), iters),
                 "dense bf16": timed(lambda: F.linear(x16, dense16), iters),
-                "int4pack bf16": timed(lambda: q4_bf16(x16), iters),
+                "int4pack bf16": timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x16, q4_bf16.packed, 32, q4_bf16.scales_zeros), iters),
+                "int4pack dequant+dense bf16": timed(lambda: q4_bf16._int4pack_dequantized_matmul(x16), iters)
+                if q4_bf16.block_n else float("nan"),
                 "int8 groups bf16": timed(lambda: int8_groups(x16, groups_codes, groups_scales), iters),
                 "C int8 bf16": timed(lambda: group_gemv.group_gemv(x16, q8_bf16.codes, q8_bf16.scales), iters)
                 if has_gemv else float("nan"),
                 "C q4 fp32": timed(lambda: group_gemv.group_gemv(x32, q4_f32.codes, q4_f32.scales, q4_f32.mins),
                                    iters) if has_gemv else float("nan"),
-                "dequant+dense bf16": timed(lambda: q8_bf16._dequantized_matmul(x16), max(2, iters // 4)),
-                "dequant+dense fp32": timed(lambda: q4_f32._dequantized_matmul(x32), max(2, iters // 4)),
+                "C int8 dequant+dense bf16": timed(lambda: q8_bf16._dequantized_matmul(x16), max(2, iters // 4)),
+                "C q4 dequant+dense fp32": timed(lambda: q4_f32._dequantized_matmul(x32), max(2, iters // 4)),
             }  # fmt: skip
             rows.append([name, f"{n}x{k}", m, *(f"{v:.0f}" for v in cells.values())])
             print_table(["projection", "N x K", "M", *cells], rows)

@@ -13,6 +13,7 @@
  *
  * Built with -march=native: AVX-512 or AVX2 where the compiler targets them, a scalar loop otherwise.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -209,6 +210,186 @@ int group_gemv(const uint8_t *codes, int nibbles, const void *scale, const void 
         return 0;
 #endif
     rows_scalar(codes, nibbles, scale, mins, half, x, y, m, n, k, group, row_begin, row_end);
+    return 0;
+}
+
+/* ---- Dequantization: rounds of more than MAX_M rows rebuild the weight and multiply densely ---- */
+
+/* float32 -> bfloat16, rounding to nearest even as torch's .to(torch.bfloat16) does (weights are finite) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One row of a group-quantized weight (either layout, as group_gemv reads it) into `out` [K], float32
+ * or bfloat16: w = code * scale (+ min) with one rounding to float32 (a fused multiply-add), then
+ * one to bfloat16. The product of a code and GGUF's scales is exact in float32, so for GGUF's
+ * weights this also equals torch's addcmul(min, code, scale), which rounds the product first. */
+#ifdef LANES
+/* LANES bytes widened to int32 lanes */
+#if defined(__AVX512F__)
+#define IVEC __m512i
+static inline __m512i widen_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#define IAND(a, m) _mm512_and_si512(a, _mm512_set1_epi32(m))
+#define ISHR(a, b) _mm512_srli_epi32(a, b)
+#define ISUB(a, b) _mm512_sub_epi32(a, _mm512_set1_epi32(b))
+#define ITOF(a) _mm512_cvtepi32_ps(a)
+#define STORE(p, v) _mm512_storeu_ps(p, v)
+static inline void store_bf16(uint16_t *p, __m512 v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(u));
+#endif
+}
+#else
+#define IVEC __m256i
+static inline __m256i widen_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#define IAND(a, m) _mm256_and_si256(a, _mm256_set1_epi32(m))
+#define ISHR(a, b) _mm256_srli_epi32(a, b)
+#define ISUB(a, b) _mm256_sub_epi32(a, _mm256_set1_epi32(b))
+#define ITOF(a) _mm256_cvtepi32_ps(a)
+#define STORE(p, v) _mm256_storeu_ps(p, v)
+static inline void store_bf16(uint16_t *p, __m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+#endif
+
+static inline void store_out(void *out, int64_t at, VEC w, int out_bf16) {
+    if (out_bf16)
+        store_bf16((uint16_t *)out + at, w);
+    else
+        STORE((float *)out + at, w);
+}
+#endif
+
+static void dequantize_row(const uint8_t *c, int nibbles, const void *scale, const void *mins, int half,
+                           int64_t scale_row, int64_t k, int64_t group, void *out, int out_bf16) {
+    int64_t num_groups = k / group;
+    float w[256]; /* one group at a time (group <= 256 is checked by the caller) */
+    for (int64_t g = 0; g < num_groups; g++) {
+        float s = load_scale(scale, scale_row * num_groups + g, half);
+        float m = mins ? load_scale(mins, scale_row * num_groups + g, half) : 0.0f;
+#ifdef LANES
+        if (group % LANES == 0) {
+            VEC vs = SET1(s), vm = SET1(m);
+            int64_t at = g * group;
+            if (nibbles) {
+                const uint8_t *cg = c + g * group / 2;
+                for (int64_t j = 0; j < group; j += 32)
+                    for (int64_t h = 0; h < 16; h += LANES) {
+                        IVEC b = widen_u8(cg + j / 2 + h);
+                        store_out(out, at + j + h, FMA(ITOF(IAND(b, 0x0F)), vs, vm), out_bf16);
+                        store_out(out, at + j + 16 + h, FMA(ITOF(ISHR(b, 4)), vs, vm), out_bf16);
+                    }
+            } else {
+                const int8_t *cg = (const int8_t *)c + g * group;
+                for (int64_t j = 0; j < group; j += LANES) {
+                    VEC q = widen_i8(cg + j);
+                    store_out(out, at + j, mins ? FMA(q, vs, vm) : MUL(q, vs), out_bf16);
+                }
+            }
+            continue;
+        }
+#endif
+        if (nibbles) {
+            const uint8_t *cg = c + g * group / 2;
+            for (int64_t j = 0; j < group; j += 32)
+                for (int64_t h = 0; h < 16; h++) {
+                    w[j + h] = fmaf((float)(cg[j / 2 + h] & 0x0F), s, m);
+                    w[j + 16 + h] = fmaf((float)(cg[j / 2 + h] >> 4), s, m);
+                }
+        } else {
+            const int8_t *cg = (const int8_t *)c + g * group;
+            if (mins)
+                for (int64_t j = 0; j < group; j++) w[j] = fmaf((float)cg[j], s, m);
+            else
+                for (int64_t j = 0; j < group; j++) w[j] = (float)cg[j] * s;
+        }
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + g * group;
+            for (int64_t j = 0; j < group; j++) o[j] = to_bf16(w[j]);
+        } else {
+            memcpy((float *)out + g * group, w, (size_t)group * sizeof(float));
+        }
+    }
+}
+
+/* Rows of the weight into out [R, K] (float32, or bfloat16 with `out_bf16`): row i of out is weight
+ * row rows[i] (a gather, e.g. an embedding) or, with rows NULL, row row_begin + i; i runs over
+ * [out_begin, out_end) so that threads can split one call. Returns 0, or -1 for unsupported shapes. */
+int group_dequantize(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half,
+                     const int64_t *rows, int64_t row_begin, int64_t out_begin, int64_t out_end, int64_t k,
+                     int64_t group, void *out, int out_bf16) {
+    if (group < 1 || group > 256 || k % group || (nibbles && group % 32) || out_begin < 0 || out_begin > out_end)
+        return -1;
+    int64_t row_bytes = nibbles ? k / 2 : k, elem = out_bf16 ? 2 : 4;
+    for (int64_t i = out_begin; i < out_end; i++) {
+        int64_t r = rows ? rows[i] : row_begin + i;
+        dequantize_row(codes + r * row_bytes, nibbles, scale, mins, half, r, k, group, (uint8_t *)out + i * k * elem,
+                       out_bf16);
+    }
+    return 0;
+}
+
+/* PyTorch's CPU int4pack layout (`_convert_weight_to_int4pack_for_cpu`, N a multiple of block_n):
+ * per block of block_n output rows, per column k, block_n / 2 bytes, byte j holding row j in its
+ * low and row block_n / 2 + j in its high nibble; scales_zeros [G, N, 2] bfloat16 with
+ * w = (q - 8) * scale + zero. Writes the transposed weight, out[k][n - n_begin] for k in
+ * [k_begin, k_end) and n in [n_begin, n_end) (multiples of block_n), bfloat16, row stride
+ * n_end - n_begin: x @ out is x @ W^T. w is computed in float32 and rounded once. */
+int int4pack_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int64_t n, int64_t k, int64_t group,
+                        int64_t block_n, int64_t n_begin, int64_t n_end, int64_t k_begin, int64_t k_end,
+                        uint16_t *out) {
+    if (block_n < 2 || block_n > 256 || block_n % 2 || n % block_n || n_begin % block_n || n_end % block_n ||
+        n_begin < 0 || n_end > n || n_begin > n_end || group < 1 || k % group || k_begin < 0 || k_end > k ||
+        k_begin > k_end)
+        return -1;
+    int64_t half_n = block_n / 2, ld = n_end - n_begin;
+    float s[256], z[256];
+    for (int64_t nb = n_begin; nb < n_end; nb += block_n) {
+        const uint8_t *block = packed + nb * k / 2;
+        for (int64_t kk = k_begin; kk < k_end;) {
+            int64_t g = kk / group, stop = (g + 1) * group < k_end ? (g + 1) * group : k_end;
+            const uint16_t *sz = scales_zeros + (g * n + nb) * 2;
+            for (int64_t j = 0; j < block_n; j++) {
+                s[j] = bf16_to_float(sz[2 * j]);
+                z[j] = bf16_to_float(sz[2 * j + 1]);
+            }
+            for (; kk < stop; kk++) {
+                const uint8_t *b = block + kk * half_n;
+                uint16_t *o = out + kk * ld + (nb - n_begin);
+#ifdef LANES
+                if (half_n % LANES == 0) {
+                    for (int64_t j = 0; j < half_n; j += LANES) {
+                        IVEC q = widen_u8(b + j);
+                        store_bf16(o + j, FMA(ITOF(ISUB(IAND(q, 0x0F), 8)), LOAD(s + j), LOAD(z + j)));
+                        store_bf16(o + half_n + j, FMA(ITOF(ISUB(ISHR(q, 4), 8)), LOAD(s + half_n + j), LOAD(z + half_n + j)));
+                    }
+                    continue;
+                }
+#endif
+                for (int64_t j = 0; j < half_n; j++) {
+                    o[j] = to_bf16(fmaf((float)((b[j] & 0x0F) - 8), s[j], z[j]));
+                    o[half_n + j] = to_bf16(fmaf((float)((b[j] >> 4) - 8), s[half_n + j], z[half_n + j]));
+                }
+            }
+        }
+    }
     return 0;
 }
 

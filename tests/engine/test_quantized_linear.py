@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from moemesh.engine.layers import quantized_linear
 from moemesh.engine.layers.quantized_linear import GEMV_MAX_M, QuantizedEmbedding, QuantizedLinear
 from moemesh.engine.loader.gguf_blocks import read_blocks
 from moemesh.kernels import group_gemv
@@ -23,15 +24,15 @@ TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 MAX_BYTES_RATIO = {"Q8_0": 1.0, "Q4_0": 1.12, "Q4_1": 1.0, "Q4_K": 1.34, "Q6_K": 1.53}
 
 
-def gguf_blocks(qtype: str, seed: int = 0) -> np.ndarray:
+def gguf_blocks(qtype: str, seed: int = 0, n: int = N) -> np.ndarray:
     """GGUF bytes [N, bytes per row]: `gguf.quants.quantize` of a random matrix where gguf can
     quantize the type; random codes and sub-scales with sane fp16 super-scales otherwise."""
     rng = np.random.default_rng(seed)
     kind = GGMLQuantizationType[qtype]
     if qtype in ("Q8_0", "Q4_0", "Q4_1"):
-        return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), kind)
+        return quants.quantize(rng.standard_normal((n, K)).astype(np.float32), kind)
     block_bytes = {"Q4_K": 144, "Q6_K": 210}[qtype]
-    data = rng.integers(0, 256, (N, K // 256 * block_bytes), dtype=np.uint8)
+    data = rng.integers(0, 256, (n, K // 256 * block_bytes), dtype=np.uint8)
     blocks = data.reshape(-1, block_bytes)
     scales = (rng.uniform(0.5, 2.0, (blocks.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
     if qtype == "Q4_K":
@@ -45,10 +46,10 @@ def reference(data: np.ndarray, qtype: str) -> torch.Tensor:  # [N, K] float64
     return torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[qtype]).astype(np.float64))
 
 
-def loaded(qtype: str, dtype: torch.dtype, gather: bool = False) -> tuple[QuantizedLinear, np.ndarray]:
-    data = gguf_blocks(qtype)
-    module = QuantizedLinear(K, N)
-    module.load(read_blocks(data, qtype, (N, K)), dtype, gather=gather)
+def loaded(qtype: str, dtype: torch.dtype, gather: bool = False, n: int = N) -> tuple[QuantizedLinear, np.ndarray]:
+    data = gguf_blocks(qtype, n=n)
+    module = QuantizedLinear(K, n)
+    module.load(read_blocks(data, qtype, (n, K)), dtype, gather=gather)
     return module, data
 
 
@@ -132,6 +133,41 @@ def test_decode_rows_use_the_c_gemv_and_larger_rounds_dequantize(monkeypatch):
     module(torch.randn(GEMV_MAX_M, K).bfloat16())
     module(torch.randn(GEMV_MAX_M + 1, K).bfloat16())
     assert calls == [GEMV_MAX_M]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_layout(qtype, monkeypatch):
+    """N a multiple of int4pack's row blocks: up to GEMV_MAX_M rows run int4pack's own kernel,
+    more rebuild W^T from its layout in C and multiply densely; both within bf16 rounding of GGUF's
+    weights in float64. N = 96 (not a multiple of 64) keeps int4pack at every row count."""
+    if group_gemv.library() is None or group_gemv.int4pack_block_n() is None:
+        pytest.skip("no C compiler or an unknown int4pack layout here")
+    module, data = loaded(qtype, torch.bfloat16, n=256)
+    assert module.form == "int4pack" and module.block_n == group_gemv.int4pack_block_n()
+    calls = []
+    real = group_gemv.int4pack_dequantize
+    monkeypatch.setattr(group_gemv, "int4pack_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(quantized_linear, "CHUNK_ROWS", 128)  # two column chunks
+    w = reference(data, qtype)
+    for m, dequantized in ((GEMV_MAX_M, False), (GEMV_MAX_M + 1, True), (40, True)):
+        calls.clear()
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
+        y = module(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 256) and bool(calls) == dequantized
+        bound = (x.double().abs() @ w.abs().T) * 2e-2
+        assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
+    assert loaded(qtype, torch.bfloat16)[0].block_n is None  # N = 96
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype):
+    if group_gemv.library() is None:
+        pytest.skip("no C compiler here")
+    module, _ = loaded(qtype, dtype, gather=True)
+    ids = torch.tensor([5, 0, 95, 5])
+    for rows in (slice(None), slice(3, 40), ids):
+        assert torch.equal(module.dequantize_rows(rows, dtype), module._dequantize_rows_torch(rows, dtype))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])

@@ -8,18 +8,22 @@ three storage forms, and with it the kernel:
   `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group. With GGUF's
   w = scale * q + min that is zero = min + 8 * scale; the pair is stored in bfloat16, the only
   dtype whose x86 kernel is vectorized (float32 runs a scalar loop), so scales are rounded to bf16.
-  It beats the C kernel below on every SmolLM2 shape at M = 1 and 64 (benchmarks/quantized_kernels.py).
+  It beats the C GEMV below on every SmolLM2 shape at M = 1, but its cost grows with every row
+  (SmolLM2's gate_up at M = 64, one thread: 2.7 ms), so a round of more than `GEMV_MAX_M` rows
+  rebuilds W^T from the int4pack layout in C (kernels/group_gemv.py `int4pack_dequantize`, 0.18
+  ms) and multiplies densely in bf16 (1.2 ms). That needs N to be a multiple of the layout's row
+  blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
 - `int8` (8-bit codes: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
 - `nibbles` (4-bit codes otherwise: float32 activations, gathered embeddings): two codes per byte
   in kernels/group_gemv.c's order (GGUF's own), scales and mins [N, G].
 
 `int8` and `nibbles` multiply a round of at most `GEMV_MAX_M` rows with the C kernel
 (kernels/group_gemv.py: exact scales, float32 sums, the weight read once at memory bandwidth) and
-dequantize per call above that, or where no C compiler built it (logged once). "Dequantize per
-call" rebuilds the weight, `CHUNK_ROWS` rows at a time, in float32 from the exact scales (float16
-where that is exact, float32 otherwise), casts it to the activation dtype and multiplies: in
-float32 it is exactly `gguf.quants.dequantize(...)`. No full-precision copy of a weight outlives a
-call.
+dequantize per call above that. "Dequantize per call" rebuilds the weight, `CHUNK_ROWS` rows at a
+time, from the exact scales (float16 where that is exact, float32 otherwise): code * scale + min
+rounded once to float32, then once to the activation dtype, by the C kernel (`dequantize`), or by
+torch where no C compiler built it (logged once; the same values); then multiplies. In float32 it
+is exactly `gguf.quants.dequantize(...)`. No full-precision copy of a weight outlives a call.
 
 `QuantizedEmbedding` gathers rows of codes and dequantizes only those; a tied lm_head is the same
 module's `linear`.
@@ -81,6 +85,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.form, self.qtype, self.group_size = "", "", 0  # set by load()
+        self.block_n: int | None = None  # int4pack: the layout's row blocks, if the C kernel reads it
 
     @classmethod
     def like(cls, linear: nn.Linear) -> QuantizedLinear:
@@ -103,6 +108,10 @@ class QuantizedLinear(nn.Module):
             scales_zeros = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1)  # [G, N, 2]
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
             self.register_buffer("scales_zeros", scales_zeros.to(dtype).contiguous())
+            block_n = group_gemv.int4pack_block_n()
+            self.block_n = block_n if block_n and n % block_n == 0 else None  # None: int4pack at every M
+            if self.block_n is None:
+                _log_once(weight.qtype, dtype, f"int4pack at every row count ({n} rows, layout blocks {block_n})")
         else:
             if self.form == "int8" and weight.min is not None:
                 raise ValueError(f"{weight.qtype}: 8-bit codes with a min are not supported")
@@ -118,9 +127,11 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if self.form == "int4pack":
+        if self.form == "int4pack" and (x2.shape[0] <= GEMV_MAX_M or self.block_n is None):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
                                                            self.scales_zeros)  # fmt: skip
+        elif self.form == "int4pack":
+            y = self._int4pack_dequantized_matmul(x2)
         elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
             y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
         else:
@@ -139,6 +150,22 @@ class QuantizedLinear(nn.Module):
             y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype, out=buffer[: rows.stop - rows.start]))
         return y
 
+    def _int4pack_dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bfloat16 -> [M, N]
+        """x @ W^T with W^T rebuilt by the C kernel from the int4pack layout, CHUNK_ROWS columns at a time."""
+        n, k = self.out_features, self.in_features
+        chunk = min(n, CHUNK_ROWS)
+        buffer = _scratch(chunk * k, torch.bfloat16)
+        y = x.new_empty(x.shape[0], n) if n > chunk else None  # [M, N]
+        for r in range(0, n, chunk):
+            cols = slice(r, min(r + chunk, n))
+            width = cols.stop - cols.start
+            w_t = group_gemv.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
+                                                 cols, out=buffer[: k * width].view(k, width))  # fmt: skip
+            if y is None:
+                return torch.mm(x, w_t)
+            y[:, cols] = torch.mm(x, w_t)
+        return y
+
     def dequantize_rows(
         self, rows: slice | torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [R, K]
@@ -148,6 +175,13 @@ class QuantizedLinear(nn.Module):
         it is stored (into `out`, [R, K], if given)."""
         if self.form == "int4pack":
             raise RuntimeError("int4pack weights are only multiplied; gathered weights use another form")
+        if dtype in (torch.float32, torch.bfloat16) and not self.codes.is_cuda and group_gemv.library() is not None:
+            return group_gemv.dequantize(self.codes, self.scales, getattr(self, "mins", None), dtype, rows, out)
+        return self._dequantize_rows_torch(rows, dtype, out)
+
+    def _dequantize_rows_torch(
+        self, rows: slice | torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [R, K]: dequantize_rows without the C kernel (the same values)
         codes = self.codes[rows]
         if self.form == "nibbles":
             codes = group_gemv.codes_from_nibbles(codes)
