@@ -139,7 +139,7 @@ def test_decode_rows_use_the_c_gemv_and_larger_rounds_dequantize(monkeypatch):
 def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_layout(qtype, monkeypatch):
     """N a multiple of int4pack's row blocks: up to GEMV_MAX_M rows run int4pack's own kernel,
     more rebuild W^T from its layout in C and multiply densely; both within bf16 rounding of GGUF's
-    weights in float64. N = 96 (not a multiple of 64) keeps int4pack at every row count."""
+    weights in float64. N = 80 (a multiple of neither 32 nor 64) keeps int4pack at every row count."""
     if group_gemv.library() is None or group_gemv.int4pack_block_n() is None:
         pytest.skip("no C compiler or an unknown int4pack layout here")
     module, data = loaded(qtype, torch.bfloat16, n=256)
@@ -156,7 +156,12 @@ def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_l
         assert y.dtype == torch.bfloat16 and y.shape == (m, 256) and bool(calls) == dequantized
         bound = (x.double().abs() @ w.abs().T) * 2e-2
         assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
-    assert loaded(qtype, torch.bfloat16)[0].block_n is None  # N = 96
+    odd, data = loaded(qtype, torch.bfloat16, n=80)
+    x = torch.randn(16, K).bfloat16()
+    calls.clear()
+    y, w = odd(x), reference(data, qtype)
+    assert odd.block_n is None and not calls
+    assert ((y.double() - x.double() @ w.T).abs() <= (x.double().abs() @ w.abs().T) * 2e-2).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
