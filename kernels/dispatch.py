@@ -1,4 +1,5 @@
-"""Pick the Triton kernel on CUDA tensors and the torch reference elsewhere.
+"""Pick the Triton kernel on CUDA tensors, the C kernel of cpu_ops.c for the CPU operations it
+has (where it is built and reads the tensors' layout), and the torch reference elsewhere.
 
 The engine calls only these functions. Triton is imported by the kernel modules only if it is
 installed (see _triton.py), so this module imports on machines without a GPU or without triton;
@@ -7,6 +8,7 @@ CUDA tensors without triton fall back to the references.
 
 import torch
 
+from moemesh.kernels import cpu_ops
 from moemesh.kernels._triton import HAS_TRITON
 from moemesh.kernels.fp8 import DEFAULT_BLOCK
 from moemesh.kernels.fp8_gemm import fp8_linear_triton, fp8_linear_w8a16_ref
@@ -30,7 +32,12 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    fn = store_kv_cache_triton if _use_triton(key) else store_kv_cache_ref
+    if _use_triton(key):
+        fn = store_kv_cache_triton
+    elif cpu_ops.store_kv_usable(key, value, k_cache, slot_mapping):
+        fn = cpu_ops.store_kv
+    else:
+        fn = store_kv_cache_ref
     fn(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -38,6 +45,8 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     """`plan`: the round's DecodePlan (paged_attention.py), which the torch reference reuses."""
     if _use_triton(query):
         return paged_decode_attention_triton(query, k_cache, v_cache, block_tables, context_lens, scale)
+    if cpu_ops.decode_attention_usable(query, k_cache, block_tables, context_lens):
+        return cpu_ops.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_ref(query, k_cache, v_cache, block_tables, context_lens, scale, plan)
 
 
@@ -76,13 +85,19 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, block_tables, context_lens,
 
 
 def rms_norm(x, weight, eps):
-    fn = rms_norm_triton if _use_triton(x) else rms_norm_ref
-    return fn(x, weight, eps)
+    if _use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    if cpu_ops.rms_norm_usable(x, weight):
+        return cpu_ops.rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    fn = fused_add_rms_norm_triton if _use_triton(x) else fused_add_rms_norm_ref
-    return fn(x, residual, weight, eps)
+    if _use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    if cpu_ops.rms_norm_usable(x, weight, residual):
+        return cpu_ops.rms_norm(x, weight, eps, residual)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox_style=True, cos_sin=None):
@@ -90,6 +105,8 @@ def rotary_embedding(positions, query, key, cos_sin_cache, is_neox_style=True, c
     then skips the gather; the layers of one round share it)."""
     if _use_triton(query):
         return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox_style)
+    if is_neox_style and cpu_ops.rope_usable(query, key, cos_sin_cache, positions):
+        return cpu_ops.rope_neox(positions, query, key, cos_sin_cache)
     return rotary_embedding_ref(positions, query, key, cos_sin_cache, is_neox_style, cos_sin)
 
 

@@ -19,71 +19,34 @@ value once. The int4pack layout is ATen's, not a documented format: `int4pack_bl
 row blocks on this machine by packing a probe and reading it back, and says None (callers keep
 int4pack's own kernel) if the layout is not the one the C code reads.
 
-The library is built with the system C compiler ($CC, else `cc` / `gcc`) for this machine
-(-march=native) into a cache directory keyed by the source, the compiler, the flags and the CPU's
-flags ($MOEMESH_CACHE_DIR, else ~/.cache/moemesh). No compiler, or a failed build: `library()` is
-None (logged once) and the callers dequantize per call instead.
+The library is built for this machine by kernels/c_library.py. No compiler, or a failed build:
+`library()` is None (logged once) and the callers dequantize per call with torch instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, run_parts
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("group_gemv.c")
 MAX_M = 8  # rows of x per call (the C side's MAX_M); more rows are taken MAX_M at a time
-NATIVE_FLAGS = ("-march=native",)
-_BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MOEMESH_CACHE_DIR") or Path.home() / ".cache" / "moemesh"
-    return Path(root) / "kernels"
 
 
 @functools.lru_cache(maxsize=4)
 def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     """The kernel compiled with `target_flags` (tests also build AVX2-only and scalar copies), or
     None where no compiler is found or the build fails (logged)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler: group-quantized GEMV unavailable, weights dequantize per call")
+    lib = compile_library(SOURCE, target_flags, "weights dequantize per call with torch instead")
+    if lib is None:
         return None
-    flags = [*_BASE_FLAGS, *target_flags]
-    parts = [SOURCE.read_bytes(), compiler.encode(), " ".join(flags).encode(), _cpu_flags().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    path = cache_dir() / f"group_gemv-{key}.so"
-    if not path.exists():
-        try:
-            _compile(compiler, flags, path)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) else e
-            log.warning("building %s failed (weights dequantize per call instead): %s", SOURCE.name, detail)
-            return None
-    lib = ctypes.CDLL(str(path))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.group_gemv.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.group_gemv.restype = i32
@@ -95,15 +58,6 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
              lib.group_gemv_width())  # fmt: skip
     return lib
-
-
-def _compile(compiler: str, flags: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
-                       check=True)  # fmt: skip
-        os.replace(built, path)  # atomic: processes building at once each install a whole file
 
 
 def library() -> ctypes.CDLL | None:
@@ -144,9 +98,7 @@ def group_gemv(
         args = (codes.data_ptr(), int(nibbles), scale.data_ptr(), mins_ptr, int(half), xf[r].data_ptr(),
                 xsum[r].data_ptr(), y[r].data_ptr(), rows, n, k, group)  # fmt: skip
         # ctypes releases the GIL: the pool's threads and this one each run a range of output rows
-        futures = [_pool(len(parts) - 1).submit(lib.group_gemv, *args, *p) for p in parts[1:]]
-        codes_ok = [lib.group_gemv(*args, *parts[0])] + [f.result() for f in futures]
-        if any(rc != 0 for rc in codes_ok):
+        if any(rc != 0 for rc in run_parts(lib.group_gemv, args, (), parts)):
             raise ValueError(f"group_gemv: unsupported shapes (N={n}, K={k}, group={group}, nibbles={nibbles})")
     return y
 
@@ -246,10 +198,8 @@ def int4pack_dequantize(
 
 
 def _run_split(fn, args: tuple, tail: tuple, parts: list[tuple[int, int]], raise_on_error: bool = True) -> bool:
-    """fn(*args, begin, end, *tail) for each part, the first on this thread, the rest on the pool."""
-    futures = [_pool(len(parts) - 1).submit(fn, *args, *p, *tail) for p in parts[1:]]
-    codes = [fn(*args, *parts[0], *tail)] + [f.result() for f in futures]
-    if any(rc != 0 for rc in codes):
+    """fn(*args, begin, end, *tail) over the parts (c_library.run_parts); False (or ValueError) on a refusal."""
+    if any(rc != 0 for rc in run_parts(fn, args, tail, parts)):
         if raise_on_error:
             raise ValueError(f"{fn.__name__}: unsupported shapes {args[2:]}")
         return False
@@ -264,11 +214,6 @@ def _row_ranges(n: int, num_weights: int, threads: int) -> list[tuple[int, int]]
     parts = max(1, min(threads, n // 64)) if num_weights >= PARALLEL_MIN_WEIGHTS else 1
     bounds = [n * i // parts for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
-
-
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor | None:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="group-gemv") if workers else None
 
 
 def nibbles_from_codes(codes: torch.Tensor) -> torch.Tensor:  # [N, K] 0..15 -> [N, K / 2] uint8

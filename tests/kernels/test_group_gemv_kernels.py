@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moemesh.kernels import c_library
 from moemesh.kernels import group_gemv as gg
 
 BUILDS = {"native": gg.NATIVE_FLAGS, "avx2": ("-mavx2", "-mfma", "-mf16c"), "scalar": ()}
@@ -14,7 +15,7 @@ N = 40
 
 
 def _cpu_has(flag: str) -> bool:
-    return flag in gg._cpu_flags().split()
+    return flag in c_library.cpu_flags().split()
 
 
 def _library(build: str):

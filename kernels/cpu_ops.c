@@ -1,0 +1,259 @@
+/* The decoder's small per-token operations on the CPU, one call each instead of a chain of torch
+ * ops (kernels/cpu_ops.py loads it; kernels/dispatch.py calls it for float32 / bfloat16 CPU
+ * tensors). At a decode round of one request each torch op costs a few microseconds of dispatch
+ * for a few hundred elements of work; these run the whole operation in that time.
+ *
+ * Each computes what its torch reference (kernels/norm.py, rotary.py, kv_store.py) computes, in
+ * float32, rounding to bfloat16 (nearest even) where the reference does:
+ *   rms_norm:  [s = x + residual, rounded;] y = s * (1 / sqrt(mean(s^2) + eps)), rounded; y * weight, rounded;
+ *   rope_neox: x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and sum rounded to float32
+ *              (built with -ffp-contract=off: no fused multiply-adds), then to the dtype: the same
+ *              bits as the reference;
+ *   store_kv:  K and V rows copied to their slots; negative slots are skipped.
+ * `bf16` selects the element type of every tensor argument of a call: 1 bfloat16, 0 float32.
+ * Functions return 0, or -1 for an index out of range (the caller raises; nothing was written
+ * for that call's later rows).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN (branch-free) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = float_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* n elements from p + at into float32 dst: one loop per dtype, so that each vectorizes */
+static inline void load_row(const void *p, int64_t at, float *dst, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)p + at;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
+    } else {
+        memcpy(dst, (const float *)p + at, (size_t)n * sizeof(float));
+    }
+}
+
+/* n float32 values into p + at in the dtype, rounded */
+static inline void store_row(void *p, int64_t at, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)p + at;
+        for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+    } else {
+        memcpy((float *)p + at, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* values rounded to the dtype, kept in float32 */
+static inline void round_row(float *v, int64_t n, int bf16) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_float(float_to_bf16(v[i]));
+}
+
+/* the value v takes when stored in the dtype */
+static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+#define ACC 16 /* independent partial sums: the compiler vectorizes them without reassociating */
+
+/* the partial sums added pairwise (4 dependent adds, not 16) */
+static inline float sum_parts(float *part) {
+    for (int w = ACC / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    return part[0];
+}
+
+/* exp(x) for the softmax's x <= 0, in arithmetic the compiler vectorizes: x = n ln2 + r with n
+ * rounded to nearest (the 1.5 * 2^23 trick) and ln2 split in two (Cody-Waite), exp(r) on
+ * |r| <= ln2 / 2 by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n built in
+ * the exponent bits. Below -87 the result is exp(-87) ~ 1.6e-38, a zero to the softmax. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* rows of x [rows, hidden] (row stride x_stride), residual NULL or like x (row stride res_stride);
+ * out and summed (written when residual is given) contiguous [rows, hidden]. hidden <= 16384. */
+int rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride, const void *weight,
+             void *out, void *summed, int64_t rows, int64_t hidden, float eps, int bf16) {
+    if (hidden < 1 || hidden > 16384) return -1;
+    float s[16384], other[16384], w[16384];
+    load_row(weight, 0, w, hidden, bf16);
+    for (int64_t r = 0; r < rows; r++) {
+        load_row(x, r * x_stride, s, hidden, bf16);
+        if (residual) {
+            load_row(residual, r * res_stride, other, hidden, bf16);
+            for (int64_t j = 0; j < hidden; j++) s[j] += other[j];
+            round_row(s, hidden, bf16);
+            store_row(summed, r * hidden, s, hidden, bf16);
+        }
+        float acc[ACC] = {0}, sum = 0.0f;
+        int64_t j = 0;
+        for (; j + ACC <= hidden; j += ACC)
+            for (int l = 0; l < ACC; l++) acc[l] += s[j + l] * s[j + l];
+        for (; j < hidden; j++) sum += s[j] * s[j];
+        sum += sum_parts(acc);
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (j = 0; j < hidden; j++) other[j] = s[j] * inv;
+        round_row(other, hidden, bf16);
+        for (j = 0; j < hidden; j++) other[j] *= w[j];
+        store_row(out, r * hidden, other, hidden, bf16);
+    }
+    return 0;
+}
+
+/* NeoX-style rotary embedding of x [tokens, heads, head_dim] (token stride x_stride, heads
+ * contiguous) into out, alike (token stride out_stride): the first rotary_dim of each head
+ * rotate as two halves, the rest are copied. cos_sin [max_position, rotary_dim] float32 (cos | sin). */
+int rope_neox(const void *x, int64_t x_stride, const int64_t *positions, const float *cos_sin,
+              int64_t max_position, void *out, int64_t out_stride, int64_t tokens, int64_t heads, int64_t head_dim,
+              int64_t rotary_dim, int bf16) {
+    int64_t half = rotary_dim / 2;
+    if (rotary_dim % 2 || rotary_dim > head_dim) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_position) return -1;
+        const float *cos = cos_sin + pos * rotary_dim, *sin = cos + half;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t in = t * x_stride + h * head_dim, o = t * out_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = load(x, in + i, bf16), x2 = load(x, in + half + i, bf16);
+                float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+                store(out, o + i, a - b, bf16);
+                store(out, o + half + i, c + d, bf16);
+            }
+            for (int64_t i = rotary_dim; i < head_dim; i++) store(out, o + i, load(x, in + i, bf16), bf16);
+        }
+    }
+    return 0;
+}
+
+/* key and value [tokens, row] (token strides k_stride, v_stride; each row contiguous, row =
+ * kv_heads * head_dim elements) into k_cache / v_cache viewed as [num_slots, row]. */
+int store_kv(const void *key, int64_t k_stride, const void *value, int64_t v_stride, void *k_cache, void *v_cache,
+             const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots, int bf16) {
+    size_t size = bf16 ? 2 : 4, bytes = (size_t)row * size;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy((char *)k_cache + slot * bytes, (const char *)key + t * k_stride * size, bytes);
+        memcpy((char *)v_cache + slot * bytes, (const char *)value + t * v_stride * size, bytes);
+    }
+    return 0;
+}
+
+/* Decode attention over the paged KV cache, one query token per request (kernels/paged_attention.py's
+ * layout): out[r, h] = softmax(scale * q[r, h] . K[r, :len, h / group]) @ V[r, :len, h / group],
+ * requests [r_begin, r_end). q [R, H, D] (request stride q_stride, heads dense); caches
+ * [num_blocks, block_size, KVH, D] contiguous; block_tables [R, max_blocks] int32; context_lens [R]
+ * int32; out [R, H, D] contiguous. Scores, softmax and the weighted sum in float32, out rounded
+ * once (exp by exp_nonpositive); a request with no context gets zeros. Returns -1 for a block id or a length out of range
+ * (or shapes past the buffers), -2 if out of memory. */
+int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
+                           int64_t num_blocks, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           float scale, void *out, int64_t r_begin, int64_t r_end, int bf16) {
+    enum { MAX_GROUP_DIM = 4096 }; /* query heads per kv head x head_dim */
+    if (head_dim < 1 || head_dim > 1024 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > 256 ||
+        heads / kv_heads * head_dim > MAX_GROUP_DIM)
+        return -1;
+    int64_t group = heads / kv_heads, row = kv_heads * head_dim;
+    float qf[MAX_GROUP_DIM], kf[1024], acc[MAX_GROUP_DIM]; /* a group's queries, a K or V row, the sums */
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int64_t len = context_lens[r];
+        if (len < 0 || len > max_blocks * block_size) return -1;
+        for (int64_t t = 0; t < len; t += block_size) {
+            int32_t b = block_tables[r * max_blocks + t / block_size];
+            if (b < 0 || b >= num_blocks) return -1;
+        }
+        float *scores = len ? malloc((size_t)(group * len) * sizeof(float)) : NULL;
+        if (len && !scores) return -2;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            load_row(q, r * q_stride + g * group * head_dim, qf, group * head_dim, bf16);
+            /* scores[i, t] = scale * q_i . k_t for the group's heads i */
+            for (int64_t t = 0; t < len; t++) {
+                int64_t b = block_tables[r * max_blocks + t / block_size];
+                int64_t at = (b * block_size + t % block_size) * row + g * head_dim;
+                load_row(k_cache, at, kf, head_dim, bf16);
+                for (int64_t i = 0; i < group; i++) {
+                    const float *qi = qf + i * head_dim;
+                    float part[ACC] = {0}, dot = 0.0f;
+                    int64_t j = 0;
+                    for (; j + ACC <= head_dim; j += ACC)
+                        for (int l = 0; l < ACC; l++) part[l] += qi[j + l] * kf[j + l];
+                    for (; j < head_dim; j++) dot += qi[j] * kf[j];
+                    dot += sum_parts(part);
+                    scores[i * len + t] = dot * scale;
+                }
+            }
+            /* softmax numerators, kept unnormalized; the sums divide at the end */
+            float total[256];
+            for (int64_t i = 0; i < group; i++) {
+                float *s = scores + i * len, m = -INFINITY, sum = 0.0f, part[ACC];
+                for (int l = 0; l < ACC; l++) part[l] = -INFINITY;
+                int64_t t = 0;
+                for (; t + ACC <= len; t += ACC)
+                    for (int l = 0; l < ACC; l++) part[l] = s[t + l] > part[l] ? s[t + l] : part[l];
+                for (; t < len; t++) m = s[t] > m ? s[t] : m;
+                for (int l = 0; l < ACC; l++) m = part[l] > m ? part[l] : m;
+                for (t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - m);
+                for (int l = 0; l < ACC; l++) part[l] = 0.0f;
+                for (t = 0; t + ACC <= len; t += ACC)
+                    for (int l = 0; l < ACC; l++) part[l] += s[t + l];
+                for (; t < len; t++) sum += s[t];
+                sum += sum_parts(part);
+                total[i] = sum;
+            }
+            for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+            for (int64_t t = 0; t < len; t++) {
+                int64_t b = block_tables[r * max_blocks + t / block_size];
+                int64_t at = (b * block_size + t % block_size) * row + g * head_dim;
+                load_row(v_cache, at, kf, head_dim, bf16);
+                for (int64_t i = 0; i < group; i++) {
+                    float p = scores[i * len + t], *a = acc + i * head_dim;
+                    for (int64_t j = 0; j < head_dim; j++) a[j] += p * kf[j];
+                }
+            }
+            for (int64_t i = 0; i < group; i++)
+                for (int64_t j = 0; j < head_dim; j++) {
+                    float v = len ? acc[i * head_dim + j] / total[i] : 0.0f;
+                    store(out, (r * heads + g * group + i) * head_dim + j, v, bf16);
+                }
+        }
+        free(scores);
+    }
+    return 0;
+}
