@@ -257,3 +257,167 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     }
     return 0;
 }
+
+/* ---- One decode token through a stack of Llama layers with int4pack weights ----
+ *
+ * The bf16 eager path of models/llama.py for a round of one request and one token, each layer in
+ * one pass with no Python in between: the same operations, rounded to bfloat16 where that path's
+ * tensors are (every op's output), with float32 sums. Projections read PyTorch's CPU int4pack
+ * layout (kernels/group_gemv.py int4pack_dequantize's reading, block_n rows per block) with
+ * w = (q - 8) * scale + zero; their sums run in another order than _weight_int4pack_mm_for_cpu's,
+ * so outputs agree with the eager path to bfloat16 rounding, not bit for bit. */
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;          /* [hidden] bfloat16 */
+    const uint8_t *qkv, *o, *gate_up, *down;          /* int4pack codes [N, K / 2] */
+    const uint16_t *qkv_sz, *o_sz, *gate_up_sz, *down_sz; /* [K / group, N, 2] bfloat16 */
+    uint16_t *k_cache, *v_cache;                      /* [num_blocks, block_size, kv_heads, head_dim] */
+} Int4Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, group, block_n;
+    int64_t num_blocks, block_size, max_position, rotary_dim;
+    float eps, scale;
+    const float *cos_sin; /* [max_position, rotary_dim] */
+} Int4Dims;
+
+/* y[n] = sum_k x[k] * w[n, k] for an int4pack weight [n, k]; per group of columns the codes are
+ * summed against x first (s * (sum x q - 8 sum x) + zero * sum x), per row block of block_n. */
+static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8_t *packed, const uint16_t *sz,
+                                                                      int64_t n, int64_t k, const int64_t group,
+                                                                      const int64_t block_n, const float *x,
+                                                                      float *y) {
+    int64_t half = block_n / 2;
+    float acc[256], part[256];
+    for (int64_t nb = 0; nb < n; nb += block_n) {
+        const uint8_t *block = packed + nb * k / 2;
+        for (int64_t j = 0; j < block_n; j++) acc[j] = 0.0f;
+        for (int64_t g = 0; g < k / group; g++) {
+            float xsum = 0.0f;
+            for (int64_t j = 0; j < block_n; j++) part[j] = 0.0f;
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+                const uint8_t *restrict b = block + kk * half;
+                float xv = x[kk], q[256];
+                xsum += xv;
+                for (int64_t j = 0; j < half; j++) {
+                    q[j] = (float)(b[j] & 0x0F);
+                    q[half + j] = (float)(b[j] >> 4);
+                }
+                for (int64_t j = 0; j < block_n; j++) part[j] = fmaf(xv, q[j], part[j]);
+            }
+            const uint16_t *s = sz + (g * n + nb) * 2;
+            for (int64_t j = 0; j < block_n; j++) {
+                float scale = bf16_to_float(s[2 * j]), zero = bf16_to_float(s[2 * j + 1]);
+                acc[j] = fmaf(scale, part[j] - 8.0f * xsum, fmaf(zero, xsum, acc[j]));
+            }
+        }
+        for (int64_t j = 0; j < block_n; j++) y[nb + j] = acc[j];
+    }
+}
+
+/* constant block widths and group sizes, so that the loops unroll and vectorize */
+static void int4pack_gemv(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
+                          int64_t block_n, const float *x, float *y) {
+    if (block_n == 64 && group == 32)
+        int4pack_gemv_impl(packed, sz, n, k, 32, 64, x, y);
+    else if (block_n == 32 && group == 32)
+        int4pack_gemv_impl(packed, sz, n, k, 32, 32, x, y);
+    else
+        int4pack_gemv_impl(packed, sz, n, k, group, block_n, x, y);
+}
+
+/* s = round(x + residual) into residual (or residual = x for the first layer), out = RMSNorm(s) */
+static void add_norm(const float *x, float *residual, int first, const uint16_t *weight, int64_t n, float eps,
+                     float *out) {
+    float acc[ACC] = {0}, sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) residual[j] = first ? x[j] : x[j] + residual[j];
+    round_row(residual, n, 1);
+    int64_t j = 0;
+    for (; j + ACC <= n; j += ACC)
+        for (int l = 0; l < ACC; l++) acc[l] += residual[j + l] * residual[j + l];
+    for (; j < n; j++) sum += residual[j] * residual[j];
+    sum += sum_parts(acc);
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (j = 0; j < n; j++) out[j] = residual[j] * inv;
+    round_row(out, n, 1);
+    for (j = 0; j < n; j++) out[j] *= bf16_to_float(weight[j]);
+    round_row(out, n, 1);
+}
+
+/* hidden [hidden] bfloat16: the embedding in, the last layer's MLP output out; residual [hidden]
+ * bfloat16 out (the final norm adds them, as the eager stack does). The token is at `position`,
+ * its K/V go to `slot`, attention reads context_len tokens through block_table. Returns 0, -1 for
+ * an index or a shape out of range (nothing is written for it then... except layers already run), -2
+ * without memory. */
+int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, uint16_t *hidden,
+                            uint16_t *residual, int64_t position, int64_t slot, const int32_t *block_table,
+                            int64_t max_blocks, int64_t context_len) {
+    int64_t H = d->hidden, q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
+    int64_t qkv_n = q_size + 2 * kv_size, I = d->intermediate;
+    if (position < 0 || position >= d->max_position || slot < 0 || slot >= d->num_blocks * d->block_size ||
+        context_len < 1 || context_len > max_blocks * d->block_size || d->block_n > 256 || d->block_n % 2 ||
+        H % d->block_n || qkv_n % d->block_n || (2 * I) % d->block_n || H % d->group || q_size % d->group ||
+        I % d->group || d->rotary_dim > d->head_dim || d->rotary_dim % 2)
+        return -1;
+    for (int64_t t = 0; t < context_len; t += d->block_size) {
+        int32_t b = block_table[t / d->block_size];
+        if (b < 0 || b >= d->num_blocks) return -1;
+    }
+    size_t floats = (size_t)(3 * H + 2 * qkv_n + 2 * q_size + 4 * I);
+    float *buf = malloc(floats * sizeof(float));
+    if (!buf) return -2;
+    float *x = buf, *res = x + H, *h = res + H, *qkv = h + H, *rot = qkv + qkv_n, *attn = rot + qkv_n,
+          *gu = attn + q_size, *act = gu + 2 * I;
+    load_row(hidden, 0, x, H, 1);
+    int64_t half = d->rotary_dim / 2, row = kv_size;
+    const float *cos = d->cos_sin + position * d->rotary_dim, *sin = cos + half;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const Int4Layer *L = layers + l;
+        add_norm(x, res, l == 0, L->input_norm, H, d->eps, h);
+        int4pack_gemv(L->qkv, L->qkv_sz, qkv_n, H, d->group, d->block_n, h, qkv);
+        round_row(qkv, qkv_n, 1);
+        /* rotary on q and k heads (as rope_neox), v as it is */
+        memcpy(rot, qkv, (size_t)qkv_n * sizeof(float));
+        for (int64_t hh = 0; hh < d->heads + d->kv_heads; hh++) {
+            float *xh = qkv + hh * d->head_dim, *oh = rot + hh * d->head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                float a = xh[i] * cos[i], b = xh[half + i] * sin[i], c = xh[half + i] * cos[i], e = xh[i] * sin[i];
+                oh[i] = a - b;
+                oh[half + i] = c + e;
+            }
+        }
+        round_row(rot, q_size + kv_size, 1);
+        store_row(L->k_cache, slot * row, rot + q_size, kv_size, 1);
+        store_row(L->v_cache, slot * row, rot + q_size + kv_size, kv_size, 1);
+        uint16_t q16[4096], out16[4096];
+        if (q_size > 4096) {
+            free(buf);
+            return -1;
+        }
+        store_row(q16, 0, rot, q_size, 1);
+        int32_t len32 = (int32_t)context_len;
+        int rc = paged_decode_attention(q16, q_size, L->k_cache, L->v_cache, block_table, max_blocks, &len32,
+                                        d->num_blocks, d->block_size, d->heads, d->kv_heads, d->head_dim, d->scale,
+                                        out16, 0, 1, 1);
+        if (rc != 0) {
+            free(buf);
+            return rc;
+        }
+        load_row(out16, 0, attn, q_size, 1);
+        int4pack_gemv(L->o, L->o_sz, H, q_size, d->group, d->block_n, attn, x);
+        round_row(x, H, 1);
+        add_norm(x, res, 0, L->post_norm, H, d->eps, h);
+        int4pack_gemv(L->gate_up, L->gate_up_sz, 2 * I, H, d->group, d->block_n, h, gu);
+        round_row(gu, 2 * I, 1);
+        for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])); /* silu, as torch computes it */
+        round_row(act, I, 1);
+        for (int64_t i = 0; i < I; i++) act[i] *= gu[I + i];
+        round_row(act, I, 1);
+        int4pack_gemv(L->down, L->down_sz, H, I, d->group, d->block_n, act, x);
+        round_row(x, H, 1);
+    }
+    store_row(hidden, 0, x, H, 1);
+    store_row(residual, 0, res, H, 1);
+    free(buf);
+    return 0;
+}

@@ -40,7 +40,8 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr,
                                            i64, i64, i32]  # fmt: skip
-    for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention):
+    lib.int4_llama_decode_token.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64]
+    for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.int4_llama_decode_token):
         fn.restype = i32
     return lib
 
@@ -235,3 +236,45 @@ def paged_decode_attention(
         raise IndexError("paged_decode_attention: a block id or context length outside the cache, or shapes "
                          f"past its buffers (heads {heads}, kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
     return out
+
+
+class Int4Layer(ctypes.Structure):
+    """One Llama layer's tensors for int4_llama_decode_token (cpu_ops.c's Int4Layer): addresses of
+    bfloat16 norm weights, int4pack codes with their [G, N, 2] bfloat16 scales and zeros, and the
+    layer's KV cache."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_sz", "o_sz", "gate_up_sz", "down_sz",
+        "k_cache", "v_cache")]  # fmt: skip
+
+
+class Int4Dims(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "group",
+                                              "block_n", "num_blocks", "block_size", "max_position", "rotary_dim")],
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos_sin", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+def int4_llama_decode_token(
+    dims: Int4Dims,
+    layers: ctypes.Array,  # of Int4Layer
+    hidden: torch.Tensor,  # [hidden] bfloat16, contiguous: the embedding in, the last MLP output out
+    residual: torch.Tensor,  # [hidden] bfloat16, contiguous: written
+    position: int,
+    slot: int,
+    block_table: torch.Tensor,  # [max_blocks] int32, contiguous
+    context_len: int,
+    lib: ctypes.CDLL | None = None,
+) -> None:
+    """One token through every layer (cpu_ops.c int4_llama_decode_token)."""
+    lib = lib or library()
+    rc = lib.int4_llama_decode_token(ctypes.byref(dims), layers, len(layers), hidden.data_ptr(), residual.data_ptr(),
+                                     position, slot, block_table.data_ptr(), block_table.shape[0], context_len)  # fmt: skip
+    if rc == -2:
+        raise MemoryError("int4_llama_decode_token: no memory for the activations")
+    if rc != 0:
+        raise IndexError(f"int4_llama_decode_token: position {position}, slot {slot} or context {context_len} "
+                         "outside the cache or the rotary table, or shapes it does not take")  # fmt: skip

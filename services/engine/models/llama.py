@@ -21,6 +21,7 @@ from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.gqa_attention import GQAAttention
 from moemesh.engine.models.config import TransformerConfig
 from moemesh.engine.models.decoder_model import DecoderModel, copy_weight
+from moemesh.engine.models.llama_int4_decode import Int4Decode
 
 
 class LlamaMLP(nn.Module):
@@ -53,8 +54,17 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.model = DecoderModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.int4_decode: Int4Decode | None | bool = (
+            None  # built at the first forward (KV caches bound); False: not here
+        )
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if self.int4_decode is None:
+            self.int4_decode = Int4Decode.build(self) if input_ids.device.type == "cpu" else False
+        elif self.int4_decode and not self.int4_decode.current():
+            self.int4_decode = Int4Decode.build(self)  # the KV cache was rebound
+        if self.int4_decode and self.int4_decode.applies(input_ids, meta):
+            return self.int4_decode.forward(input_ids, positions, meta)  # [1, hidden]
         return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [num_reqs, vocab]
