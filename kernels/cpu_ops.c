@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -315,9 +318,85 @@ static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8
     }
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+#define GV_LANES 16
+#define GV __m512
+#define GV_ZERO() _mm512_setzero_ps()
+#define GV_SET1(v) _mm512_set1_ps(v)
+#define GV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GV_SUB(a, b) _mm512_sub_ps(a, b)
+#define GV_STORE(p, v) _mm512_storeu_ps(p, v)
+#define GVI __m512i
+#define GV_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+/* codes to floats through a table of 0..15: the permute reads the low 4 bits of each lane */
+#define GV_CODES _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define GV_LOW(b) _mm512_permutexvar_ps(b, GV_CODES)
+#define GV_HIGH(b) _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), GV_CODES)
+#define GV_PAIRS(p) _mm512_loadu_si512((const void *)(p))
+#define GV_SCALE(u) _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))
+#define GV_ZERO_OF(u) _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)))
+#else
+#define GV_LANES 8
+#define GV __m256
+#define GV_ZERO() _mm256_setzero_ps()
+#define GV_SET1(v) _mm256_set1_ps(v)
+#define GV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GV_SUB(a, b) _mm256_sub_ps(a, b)
+#define GV_STORE(p, v) _mm256_storeu_ps(p, v)
+#define GVI __m256i
+#define GV_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define GV_LOW(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)))
+#define GV_HIGH(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
+#define GV_PAIRS(p) _mm256_loadu_si256((const __m256i *)(p))
+#define GV_SCALE(u) _mm256_castsi256_ps(_mm256_slli_epi32(u, 16))
+#define GV_ZERO_OF(u) _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)))
+#endif
+
+/* int4pack_gemv_impl with vectors, for blocks of 4 * GV_LANES rows (the layout ATen packs for the
+ * same vector width): per column, the block's half-width bytes give rows j (low nibbles) and
+ * half + j (high); four accumulators hold the block's rows. Scale and zero of a (group, row) are
+ * one 32-bit word (zero << 16 | scale). The same sums as the generic loop. */
+static void int4pack_gemv_vector(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
+                                 const float *x, float *y) {
+    const int64_t block_n = 4 * GV_LANES, half = 2 * GV_LANES;
+    for (int64_t nb = 0; nb < n; nb += block_n) {
+        const uint8_t *block = packed + nb * k / 2;
+        GV acc[4] = {GV_ZERO(), GV_ZERO(), GV_ZERO(), GV_ZERO()};
+        for (int64_t g = 0; g < k / group; g++) {
+            GV part[4] = {GV_ZERO(), GV_ZERO(), GV_ZERO(), GV_ZERO()};
+            float xsum = 0.0f;
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) {
+                const uint8_t *b = block + kk * half;
+                GV xv = GV_SET1(x[kk]);
+                xsum += x[kk];
+                GVI b0 = GV_BYTES(b), b1 = GV_BYTES(b + GV_LANES);
+                part[0] = GV_FMA(xv, GV_LOW(b0), part[0]);
+                part[1] = GV_FMA(xv, GV_LOW(b1), part[1]);
+                part[2] = GV_FMA(xv, GV_HIGH(b0), part[2]);
+                part[3] = GV_FMA(xv, GV_HIGH(b1), part[3]);
+            }
+            const uint32_t *pairs = (const uint32_t *)(sz + (g * n + nb) * 2);
+            GV xs = GV_SET1(xsum), x8 = GV_SET1(8.0f * xsum);
+            for (int i = 0; i < 4; i++) {
+                GVI u = GV_PAIRS(pairs + i * GV_LANES);
+                acc[i] = GV_FMA(GV_SCALE(u), GV_SUB(part[i], x8), GV_FMA(GV_ZERO_OF(u), xs, acc[i]));
+            }
+        }
+        for (int i = 0; i < 4; i++) GV_STORE(y + nb + i * GV_LANES, acc[i]);
+    }
+}
+#endif
+
 /* constant block widths and group sizes, so that the loops unroll and vectorize */
 static void int4pack_gemv(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
                           int64_t block_n, const float *x, float *y) {
+#ifdef GV_LANES
+    if (block_n == 4 * GV_LANES) {
+        int4pack_gemv_vector(packed, sz, n, k, group, x, y);
+        return;
+    }
+#endif
     if (block_n == 64 && group == 32)
         int4pack_gemv_impl(packed, sz, n, k, 32, 64, x, y);
     else if (block_n == 32 && group == 32)
