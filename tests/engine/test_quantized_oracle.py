@@ -76,3 +76,28 @@ def test_bfloat16_quantized_model_agrees_with_hf_where_the_margin_exceeds_the_bo
     num_generated = sum(len(g) for g in hf_greedy)
     assert num_safe >= 0.05 * num_generated  # the margin check covers some tokens (18 of 216 today)
     assert num_agree >= 0.9 * num_generated  # and greedy choices mostly agree everywhere (95% today)
+
+
+def test_auto_keeps_gguf_weights_quantized_in_bfloat16_and_in_float32_where_the_c_kernels_build(monkeypatch):
+    from types import SimpleNamespace
+
+    from moemesh.engine.loader import gguf_quant
+    from moemesh.kernels import group_gemv
+
+    checkpoint = SimpleNamespace(quantized={"model.layers.0.mlp.down_proj.weight": "Q4_1"})
+    keeps = lambda q, dtype, device="cpu": gguf_quant.keeps_quantized(checkpoint, q, dtype, device)  # noqa: E731
+    assert keeps("auto", "bfloat16") and keeps("gguf", "float16") and not keeps("none", "bfloat16")
+    assert not keeps("auto", "float16") and not keeps("auto", "bfloat16", "cuda")
+    assert keeps("auto", "float32") == (group_gemv.library() is not None)
+    monkeypatch.setattr(group_gemv, "library", lambda: None)
+    assert not keeps("auto", "float32") and keeps("gguf", "float32")
+
+
+def test_float32_by_default_keeps_the_file_quantized_under_1_25x(smollm_path):
+    from moemesh.kernels import group_gemv
+
+    if group_gemv.library() is None:
+        pytest.skip("no C compiler here: float32 dequantizes at load")
+    llm = LLM(smollm_path, dtype="float32", num_blocks=16, show_progress=False)
+    assert {m.form for m in llm.engine.model.modules() if hasattr(m, "form")} == {"nibbles", "int8"}
+    assert weight_bytes(llm.engine.model) <= 1.25 * os.path.getsize(smollm_path)

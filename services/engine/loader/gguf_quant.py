@@ -21,6 +21,7 @@ from torch import nn
 from moemesh.engine.layers.group_quantized import GroupQuantized, concat_rows
 from moemesh.engine.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from moemesh.engine.loader.checkpoint import Checkpoint
+from moemesh.kernels import group_gemv
 
 log = logging.getLogger(__name__)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -33,9 +34,13 @@ def keeps_quantized(checkpoint: Checkpoint, quantization: str, dtype: str, devic
     if torch.device(device).type != "cpu":
         log.info("GGUF weights dequantized to %s at load: quantized layers run on CPU only", dtype)
         return False
-    if quantization == "auto" and dtype != "bfloat16":
-        log.info("GGUF weights dequantized to %s at load: PyTorch's quantized CPU matmuls are vectorized for "
-                 "bfloat16 only (quantization='gguf' keeps them quantized, dequantizing per call)", dtype)  # fmt: skip
+    if quantization == "auto" and dtype == "float32" and group_gemv.library() is None:
+        log.info("GGUF weights dequantized to float32 at load: no C compiler for the quantized float32 kernels "
+                 "(quantization='gguf' keeps them quantized, dequantizing per call with torch)")  # fmt: skip
+        return False
+    if quantization == "auto" and dtype not in ("bfloat16", "float32"):
+        log.info("GGUF weights dequantized to %s at load: the quantized CPU kernels serve bfloat16 and float32 "
+                 "(quantization='gguf' keeps them quantized, dequantizing per call)", dtype)  # fmt: skip
         return False
     types = sorted(set(checkpoint.quantized.values()))
     log.info("GGUF weights stay quantized (%s) with %s activations", ", ".join(types), dtype)
