@@ -91,12 +91,17 @@ def test_generate_runs_single_request_decode_rounds_through_the_c_call(llm, prom
     assert isinstance(llm.engine.model.int4_decode, llama_int4_decode.Int4Decode)
 
 
-def test_stacks_the_c_call_does_not_read_run_eager_with_the_reason_logged(smollm_path, caplog):
+def test_stacks_the_c_call_does_not_read_run_eager_with_the_reason_logged_once(smollm_path, caplog):
+    from moemesh import SamplingParams
+
     llm = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=32, show_progress=False)
     with caplog.at_level("INFO", logger=llama_int4_decode.__name__):
-        llm.generate([[1, 2, 3]], __import__("moemesh").SamplingParams(temperature=0.0, max_tokens=2))
-    assert llm.engine.model.int4_decode is None or llm.engine.model.int4_decode is False
-    assert "not int4pack" in caplog.text
+        for _ in range(2):
+            llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
+    assert llm.engine.model.int4_decode is False
+    assert [r.getMessage() for r in caplog.records].count(
+        "one-token decode runs the eager stack: a projection is not int4pack in the layout the C code reads"
+    ) == 1
 
 
 def test_a_slot_outside_the_cache_is_refused_with_an_error(llm):

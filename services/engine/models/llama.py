@@ -59,8 +59,8 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        if self.int4_decode is None:
-            self.int4_decode = Int4Decode.build(self) if input_ids.device.type == "cpu" else False
+        if self.int4_decode is None and Int4Decode.caches_bound(self):  # decided once, with the caches bound
+            self.int4_decode = Int4Decode.build(self) or False
         elif self.int4_decode and not self.int4_decode.current():
             self.int4_decode = Int4Decode.build(self)  # the KV cache was rebound
         if self.int4_decode and self.int4_decode.applies(input_ids, meta):

@@ -7,9 +7,9 @@ At one token per round the eager stack spends more time dispatching ops than mov
 bfloat16 where the eager tensors are, so its tokens are the eager path's up to the order of the
 projections' float32 sums. The embedding and the final norm stay the model's own.
 
-`Int4Decode.build(model)` says None (logged once, with the reason) when the stack is not one it
-reads: another dtype or device, a projection in another form, q/k norms, biases, GPT-J rotary, or
-no C compiler. The tensors' addresses are taken once; a KV cache rebound since is noticed and
+`Int4Decode.build(model)` says None (logged, with the reason; the model then never asks again) when
+the stack is not one it reads: another dtype or device, a projection in another form, q/k norms,
+GPT-J rotary, or no C compiler. The tensors' addresses are taken once; a KV cache rebound since is noticed and
 the addresses taken again.
 """
 
@@ -69,6 +69,11 @@ class Int4Decode:
             entry.k_cache, entry.v_cache = a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr()
         log.info("one-token decode: the %d int4pack layers in one C call", len(stack.layers))
         return cls(model, dims, layers, first.self_attn.attn.k_cache.data_ptr())
+
+    @staticmethod
+    def caches_bound(model: nn.Module) -> bool:
+        """The runner has bound the KV caches (forwards before that, such as a memory probe, do not decide)."""
+        return model.model.layers[0].self_attn.attn.k_cache.numel() > 0
 
     def current(self) -> bool:
         """The KV caches are still the ones whose addresses were taken."""
