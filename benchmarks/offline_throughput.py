@@ -5,7 +5,9 @@
 Greedy, ignore_eos, `--max-tokens` new tokens per request, at 1 request and at each
 `--num-requests`. Rows:
 - moemesh quantized: bfloat16 activations, the GGUF's Q4_1/Q8_0 weights kept quantized
-  (what dtype / quantization "auto" pick on a CPU with native bf16);
+  (what dtype / quantization "auto" pick on a CPU with native bf16); a round of one request runs
+  every layer in one C call (models/llama_int4_decode.py), larger rounds the eager layers with
+  int4pack up to 8 rows and C-rebuilt weights + dense bf16 matmuls above;
 - moemesh quantized float32: float32 activations on the same quantized weights (what "auto" picks
   without native bf16: the C GEMV of kernels/group_gemv.c at decode, dequantize per call above);
 - moemesh float32: weights dequantized to float32 at load;

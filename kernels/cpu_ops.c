@@ -15,6 +15,8 @@
  * for that call's later rows).
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,6 +108,21 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* out = s * (1 / sqrt(mean(s^2) + eps)), rounded to the dtype, times w, rounded */
+static void norm_row(const float *s, const float *w, int64_t n, float eps, int bf16, float *out) {
+    float acc[ACC] = {0}, sum = 0.0f;
+    int64_t j = 0;
+    for (; j + ACC <= n; j += ACC)
+        for (int l = 0; l < ACC; l++) acc[l] += s[j + l] * s[j + l];
+    for (; j < n; j++) sum += s[j] * s[j];
+    sum += sum_parts(acc);
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (j = 0; j < n; j++) out[j] = s[j] * inv;
+    round_row(out, n, bf16);
+    for (j = 0; j < n; j++) out[j] *= w[j];
+    round_row(out, n, bf16);
+}
+
 /* rows of x [rows, hidden] (row stride x_stride), residual NULL or like x (row stride res_stride);
  * out and summed (written when residual is given) contiguous [rows, hidden]. hidden <= 16384. */
 int rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride, const void *weight,
@@ -121,16 +138,7 @@ int rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_
             round_row(s, hidden, bf16);
             store_row(summed, r * hidden, s, hidden, bf16);
         }
-        float acc[ACC] = {0}, sum = 0.0f;
-        int64_t j = 0;
-        for (; j + ACC <= hidden; j += ACC)
-            for (int l = 0; l < ACC; l++) acc[l] += s[j + l] * s[j + l];
-        for (; j < hidden; j++) sum += s[j] * s[j];
-        sum += sum_parts(acc);
-        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        for (j = 0; j < hidden; j++) other[j] = s[j] * inv;
-        round_row(other, hidden, bf16);
-        for (j = 0; j < hidden; j++) other[j] *= w[j];
+        norm_row(s, w, hidden, eps, bf16, other);
         store_row(out, r * hidden, other, hidden, bf16);
     }
     return 0;
@@ -289,10 +297,10 @@ typedef struct {
 static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8_t *packed, const uint16_t *sz,
                                                                       int64_t n, int64_t k, const int64_t group,
                                                                       const int64_t block_n, const float *x,
-                                                                      float *y) {
+                                                                      float *y, int64_t begin, int64_t end) {
     int64_t half = block_n / 2;
     float acc[256], part[256];
-    for (int64_t nb = 0; nb < n; nb += block_n) {
+    for (int64_t nb = begin; nb < end; nb += block_n) {
         const uint8_t *block = packed + nb * k / 2;
         for (int64_t j = 0; j < block_n; j++) acc[j] = 0.0f;
         for (int64_t g = 0; g < k / group; g++) {
@@ -358,9 +366,9 @@ static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8
  * half + j (high); four accumulators hold the block's rows. Scale and zero of a (group, row) are
  * one 32-bit word (zero << 16 | scale). The same sums as the generic loop. */
 static void int4pack_gemv_vector(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
-                                 const float *x, float *y) {
+                                 const float *x, float *y, int64_t begin, int64_t end) {
     const int64_t block_n = 4 * GV_LANES, half = 2 * GV_LANES;
-    for (int64_t nb = 0; nb < n; nb += block_n) {
+    for (int64_t nb = begin; nb < end; nb += block_n) {
         const uint8_t *block = packed + nb * k / 2;
         GV acc[4] = {GV_ZERO(), GV_ZERO(), GV_ZERO(), GV_ZERO()};
         for (int64_t g = 0; g < k / group; g++) {
@@ -388,53 +396,92 @@ static void int4pack_gemv_vector(const uint8_t *packed, const uint16_t *sz, int6
 }
 #endif
 
-/* constant block widths and group sizes, so that the loops unroll and vectorize */
+/* rows [begin, end) of y (multiples of block_n); constant block widths and group sizes, so that
+ * the loops unroll and vectorize */
 static void int4pack_gemv(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
-                          int64_t block_n, const float *x, float *y) {
+                          int64_t block_n, const float *x, float *y, int64_t begin, int64_t end) {
 #ifdef GV_LANES
     if (block_n == 4 * GV_LANES) {
-        int4pack_gemv_vector(packed, sz, n, k, group, x, y);
+        int4pack_gemv_vector(packed, sz, n, k, group, x, y, begin, end);
         return;
     }
 #endif
     if (block_n == 64 && group == 32)
-        int4pack_gemv_impl(packed, sz, n, k, 32, 64, x, y);
+        int4pack_gemv_impl(packed, sz, n, k, 32, 64, x, y, begin, end);
     else if (block_n == 32 && group == 32)
-        int4pack_gemv_impl(packed, sz, n, k, 32, 32, x, y);
+        int4pack_gemv_impl(packed, sz, n, k, 32, 32, x, y, begin, end);
     else
-        int4pack_gemv_impl(packed, sz, n, k, group, block_n, x, y);
+        int4pack_gemv_impl(packed, sz, n, k, group, block_n, x, y, begin, end);
 }
 
-/* s = round(x + residual) into residual (or residual = x for the first layer), out = RMSNorm(s) */
+/* A second thread for the GEMVs of one int4_llama_decode_token call: it spins on `posted`, runs the
+ * upper half of the row blocks of each posted GEMV and publishes `done`; the caller runs the lower
+ * half meanwhile. Started and joined once per call (tens of microseconds against milliseconds). */
+typedef struct {
+    const uint8_t *packed;
+    const uint16_t *sz;
+    int64_t n, k, group, block_n, begin, end;
+    const float *x;
+    float *y;
+    atomic_long posted, done;
+    atomic_int stop;
+} GemvHelper;
+
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *gemv_helper_main(void *arg) {
+    GemvHelper *h = arg;
+    long seen = 0;
+    for (;;) {
+        long posted;
+        while ((posted = atomic_load_explicit(&h->posted, memory_order_acquire)) == seen) {
+            if (atomic_load_explicit(&h->stop, memory_order_acquire)) return NULL;
+            spin_pause();
+        }
+        int4pack_gemv(h->packed, h->sz, h->n, h->k, h->group, h->block_n, h->x, h->y, h->begin, h->end);
+        seen = posted;
+        atomic_store_explicit(&h->done, posted, memory_order_release);
+    }
+}
+
+/* y = W x over all rows, split with the helper when there is one */
+static void gemv_rows(GemvHelper *h, const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
+                      int64_t block_n, const float *x, float *y) {
+    int64_t mid = (n / block_n / 2) * block_n;
+    if (!h || mid == 0) {
+        int4pack_gemv(packed, sz, n, k, group, block_n, x, y, 0, n);
+        return;
+    }
+    h->packed = packed, h->sz = sz, h->n = n, h->k = k, h->group = group, h->block_n = block_n;
+    h->x = x, h->y = y, h->begin = mid, h->end = n;
+    long job = atomic_load_explicit(&h->posted, memory_order_relaxed) + 1;
+    atomic_store_explicit(&h->posted, job, memory_order_release);
+    int4pack_gemv(packed, sz, n, k, group, block_n, x, y, 0, mid);
+    while (atomic_load_explicit(&h->done, memory_order_acquire) != job) spin_pause();
+}
+
+/* s = round(x + residual) into residual (or residual = x for the first layer), out = RMSNorm(s);
+ * n <= 16384 (checked by the caller) */
 static void add_norm(const float *x, float *residual, int first, const uint16_t *weight, int64_t n, float eps,
                      float *out) {
-    float acc[ACC] = {0}, sum = 0.0f;
+    float w[16384];
     for (int64_t j = 0; j < n; j++) residual[j] = first ? x[j] : x[j] + residual[j];
     round_row(residual, n, 1);
-    int64_t j = 0;
-    for (; j + ACC <= n; j += ACC)
-        for (int l = 0; l < ACC; l++) acc[l] += residual[j + l] * residual[j + l];
-    for (; j < n; j++) sum += residual[j] * residual[j];
-    sum += sum_parts(acc);
-    float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    for (j = 0; j < n; j++) out[j] = residual[j] * inv;
-    round_row(out, n, 1);
-    for (j = 0; j < n; j++) out[j] *= bf16_to_float(weight[j]);
-    round_row(out, n, 1);
+    load_row(weight, 0, w, n, 1);
+    norm_row(residual, w, n, eps, 1, out);
 }
 
-/* hidden [hidden] bfloat16: the embedding in, the last layer's MLP output out; residual [hidden]
- * bfloat16 out (the final norm adds them, as the eager stack does). The token is at `position`,
- * its K/V go to `slot`, attention reads context_len tokens through block_table. Returns 0, -1 for
- * an index or a shape out of range (nothing is written for it then... except layers already run), -2
- * without memory. */
-int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, uint16_t *hidden,
-                            uint16_t *residual, int64_t position, int64_t slot, const int32_t *block_table,
-                            int64_t max_blocks, int64_t context_len) {
+static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, uint16_t *hidden,
+                        uint16_t *residual, int64_t position, int64_t slot, const int32_t *block_table,
+                        int64_t max_blocks, int64_t context_len, GemvHelper *helper) {
     int64_t H = d->hidden, q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     int64_t qkv_n = q_size + 2 * kv_size, I = d->intermediate;
     if (position < 0 || position >= d->max_position || slot < 0 || slot >= d->num_blocks * d->block_size ||
-        context_len < 1 || context_len > max_blocks * d->block_size || d->block_n > 256 || d->block_n % 2 ||
+        context_len < 1 || context_len > max_blocks * d->block_size || d->block_n > 256 || d->block_n % 2 || H > 16384 ||
         H % d->block_n || qkv_n % d->block_n || (2 * I) % d->block_n || H % d->group || q_size % d->group ||
         I % d->group || d->rotary_dim > d->head_dim || d->rotary_dim % 2)
         return -1;
@@ -453,7 +500,7 @@ int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t 
     for (int64_t l = 0; l < num_layers; l++) {
         const Int4Layer *L = layers + l;
         add_norm(x, res, l == 0, L->input_norm, H, d->eps, h);
-        int4pack_gemv(L->qkv, L->qkv_sz, qkv_n, H, d->group, d->block_n, h, qkv);
+        gemv_rows(helper, L->qkv, L->qkv_sz, qkv_n, H, d->group, d->block_n, h, qkv);
         round_row(qkv, qkv_n, 1);
         /* rotary on q and k heads (as rope_neox), v as it is */
         memcpy(rot, qkv, (size_t)qkv_n * sizeof(float));
@@ -483,20 +530,44 @@ int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t 
             return rc;
         }
         load_row(out16, 0, attn, q_size, 1);
-        int4pack_gemv(L->o, L->o_sz, H, q_size, d->group, d->block_n, attn, x);
+        gemv_rows(helper, L->o, L->o_sz, H, q_size, d->group, d->block_n, attn, x);
         round_row(x, H, 1);
         add_norm(x, res, 0, L->post_norm, H, d->eps, h);
-        int4pack_gemv(L->gate_up, L->gate_up_sz, 2 * I, H, d->group, d->block_n, h, gu);
+        gemv_rows(helper, L->gate_up, L->gate_up_sz, 2 * I, H, d->group, d->block_n, h, gu);
         round_row(gu, 2 * I, 1);
         for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])); /* silu, as torch computes it */
         round_row(act, I, 1);
         for (int64_t i = 0; i < I; i++) act[i] *= gu[I + i];
         round_row(act, I, 1);
-        int4pack_gemv(L->down, L->down_sz, H, I, d->group, d->block_n, act, x);
+        gemv_rows(helper, L->down, L->down_sz, H, I, d->group, d->block_n, act, x);
         round_row(x, H, 1);
     }
     store_row(hidden, 0, x, H, 1);
     store_row(residual, 0, res, H, 1);
     free(buf);
     return 0;
+}
+
+/* hidden [hidden] bfloat16: the embedding in, the last layer's MLP output out; residual [hidden]
+ * bfloat16 out (the final norm adds them, as the eager stack does). The token is at `position`,
+ * its K/V go to `slot`, attention reads context_len tokens through block_table. With threads > 1
+ * a second thread takes half of each GEMV's rows. Returns 0; -1 for an index or a shape out of
+ * range, found before anything is written; -2 without memory. */
+int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, uint16_t *hidden,
+                            uint16_t *residual, int64_t position, int64_t slot, const int32_t *block_table,
+                            int64_t max_blocks, int64_t context_len, int64_t threads) {
+    GemvHelper helper;
+    memset(&helper, 0, sizeof helper);
+    atomic_init(&helper.posted, 0);
+    atomic_init(&helper.done, 0);
+    atomic_init(&helper.stop, 0);
+    pthread_t thread;
+    int started = threads > 1 && pthread_create(&thread, NULL, gemv_helper_main, &helper) == 0;
+    int rc = decode_token(d, layers, num_layers, hidden, residual, position, slot, block_table, max_blocks,
+                          context_len, started ? &helper : NULL);
+    if (started) {
+        atomic_store_explicit(&helper.stop, 1, memory_order_release);
+        pthread_join(thread, NULL);
+    }
+    return rc;
 }

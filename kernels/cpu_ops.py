@@ -40,7 +40,7 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr,
                                            i64, i64, i32]  # fmt: skip
-    lib.int4_llama_decode_token.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64]
+    lib.int4_llama_decode_token.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64]
     for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.int4_llama_decode_token):
         fn.restype = i32
     return lib
@@ -268,11 +268,14 @@ def int4_llama_decode_token(
     block_table: torch.Tensor,  # [max_blocks] int32, contiguous
     context_len: int,
     lib: ctypes.CDLL | None = None,
+    threads: int | None = None,  # default: torch's; more than one: a second thread takes half of each GEMV
 ) -> None:
     """One token through every layer (cpu_ops.c int4_llama_decode_token)."""
     lib = lib or library()
+    threads = torch.get_num_threads() if threads is None else threads
     rc = lib.int4_llama_decode_token(ctypes.byref(dims), layers, len(layers), hidden.data_ptr(), residual.data_ptr(),
-                                     position, slot, block_table.data_ptr(), block_table.shape[0], context_len)  # fmt: skip
+                                     position, slot, block_table.data_ptr(), block_table.shape[0], context_len,
+                                     threads)  # fmt: skip
     if rc == -2:
         raise MemoryError("int4_llama_decode_token: no memory for the activations")
     if rc != 0:

@@ -1,7 +1,7 @@
 """cpu_ops.c `int4_llama_decode_token` on a tiny random two-layer Llama stack against a float64
 forward written here, for each build this machine can run (native, AVX2 only, scalar) and both
 int4pack block widths (64 rows, as ATen packs with AVX-512; 32, with AVX2), the weights packed by
-this folder's own writer of the layout."""
+this folder's own writer of the layout; one thread and two give the same bits."""
 
 from __future__ import annotations
 
@@ -69,8 +69,13 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, block_n):
                             max_position=16, rotary_dim=HEAD_DIM, eps=EPS, scale=HEAD_DIM**-0.5,
                             cos_sin=cos_sin.data_ptr())  # fmt: skip
     embedding = torch.randn(HIDDEN, generator=gen).bfloat16()
-    hidden, residual = embedding.clone(), torch.empty(HIDDEN, dtype=torch.bfloat16)
-    cpu_ops.int4_llama_decode_token(dims, layers, hidden, residual, position, slot, table, context, lib=lib)
+    runs = []
+    for threads in (1, 2):  # 2: a second thread takes half of each GEMV's rows; the same sums
+        hidden, residual = embedding.clone(), torch.empty(HIDDEN, dtype=torch.bfloat16)
+        cpu_ops.int4_llama_decode_token(dims, layers, hidden, residual, position, slot, table, context, lib=lib,
+                                        threads=threads)  # fmt: skip
+        runs.append((hidden, residual))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
     # float64: the eager stack's operations without its bf16 roundings
     x, res = embedding.double(), None
