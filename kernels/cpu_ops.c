@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -269,28 +269,58 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     return 0;
 }
 
-/* ---- One decode token through a stack of Llama layers with int4pack weights ----
+/* ---- One decode token through a stack of Llama layers with 4-bit weights ----
  *
- * The bf16 eager path of models/llama.py for a round of one request and one token, each layer in
- * one pass with no Python in between: the same operations, rounded to bfloat16 where that path's
- * tensors are (every op's output), with float32 sums. Projections read PyTorch's CPU int4pack
- * layout (kernels/group_gemv.py int4pack_dequantize's reading, block_n rows per block) with
- * w = (q - 8) * scale + zero; their sums run in another order than _weight_int4pack_mm_for_cpu's,
- * so outputs agree with the eager path to bfloat16 rounding, not bit for bit. */
+ * The eager path of models/llama.py for a round of one request and one token, each layer in one
+ * pass with no Python in between: the same operations, rounded to the activation dtype where that
+ * path's tensors are (every op's output; nothing to round in float32), with float32 sums.
+ * Projections are either PyTorch's CPU int4pack layout with bfloat16 activations
+ * (kernels/group_gemv.py int4pack_dequantize's reading, block_n rows per block, w = (q - 8) *
+ * scale + zero) or GGUF's nibbles with float16 / float32 scales and mins with float32 activations
+ * (the C GEMV's layout, w = scale * q + min). Their sums run in another order than the eager
+ * kernels', so outputs agree with the eager path to rounding, not bit for bit. */
 
 typedef struct {
-    const uint16_t *input_norm, *post_norm;          /* [hidden] bfloat16 */
-    const uint8_t *qkv, *o, *gate_up, *down;          /* int4pack codes [N, K / 2] */
-    const uint16_t *qkv_sz, *o_sz, *gate_up_sz, *down_sz; /* [K / group, N, 2] bfloat16 */
-    uint16_t *k_cache, *v_cache;                      /* [num_blocks, block_size, kv_heads, head_dim] */
+    const void *input_norm, *post_norm;               /* [hidden] in the activation dtype */
+    const uint8_t *qkv, *o, *gate_up, *down;          /* 4-bit codes [N, K / 2] (int4pack or GGUF nibbles) */
+    const void *qkv_sz, *o_sz, *gate_up_sz, *down_sz; /* int4pack: [K / group, N, 2] bf16; nibbles: scales [N, G] */
+    const void *qkv_min, *o_min, *gate_up_min, *down_min; /* nibbles: mins like the scales, or NULL */
+    void *k_cache, *v_cache;                          /* [num_blocks, block_size, kv_heads, head_dim] */
 } Int4Layer;
+
+enum { FORMAT_INT4PACK = 0, FORMAT_NIBBLES = 1 };
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, group, block_n;
     int64_t num_blocks, block_size, max_position, rotary_dim;
+    int64_t format, bf16, half; /* projections' layout; activations bfloat16 (1) or float32; nibble scales float16 */
     float eps, scale;
     const float *cos_sin; /* [max_position, rotary_dim] */
 } Int4Dims;
+
+static inline float half_value(uint16_t h) { /* float16 -> float32 */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F)
+        bits = sign | 0x7F800000 | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man) { /* subnormal: renormalize */
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    } else
+        bits = sign;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float scale_at(const void *p, int64_t i, int half) {
+    return half ? half_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 /* y[n] = sum_k x[k] * w[n, k] for an int4pack weight [n, k]; per group of columns the codes are
  * summed against x first (s * (sum x q - 8 sum x) + zero * sum x), per row block of block_n. */
@@ -335,6 +365,8 @@ static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8
 #define GV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define GV_SUB(a, b) _mm512_sub_ps(a, b)
 #define GV_STORE(p, v) _mm512_storeu_ps(p, v)
+#define GV_LOAD(p) _mm512_loadu_ps(p)
+#define GV_HSUM(v) _mm512_reduce_add_ps(v)
 #define GVI __m512i
 #define GV_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 /* codes to floats through a table of 0..15: the permute reads the low 4 bits of each lane */
@@ -352,6 +384,13 @@ static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8
 #define GV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define GV_SUB(a, b) _mm256_sub_ps(a, b)
 #define GV_STORE(p, v) _mm256_storeu_ps(p, v)
+#define GV_LOAD(p) _mm256_loadu_ps(p)
+static inline float GV_HSUM(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #define GVI __m256i
 #define GV_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define GV_LOW(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)))
@@ -414,15 +453,67 @@ static void int4pack_gemv(const uint8_t *packed, const uint16_t *sz, int64_t n, 
         int4pack_gemv_impl(packed, sz, n, k, group, block_n, x, y, begin, end);
 }
 
+/* rows [begin, end) of y = W x for GGUF's nibble layout (kernels/group_gemv.c's): codes [N, K / 2],
+ * per 32 columns 16 bytes, byte j holding column j (low nibble) and j + 16 (high); w = scale * q
+ * (+ min) per (row, group); xsum [K / group] the group sums of x (read with mins). */
+static void nibble_gemv(const uint8_t *codes, const void *scale, const void *mins, int half, int64_t k, int64_t group,
+                        const float *x, const float *xsum, float *y, int64_t begin, int64_t end) {
+    int64_t groups = k / group;
+    for (int64_t r = begin; r < end; r++) {
+        const uint8_t *c = codes + r * (k / 2);
+        float total = 0.0f, tail = 0.0f;
+#ifdef GV_LANES
+        GV acc = GV_ZERO();
+        for (int64_t g = 0; g < groups; g++) {
+            GV part = GV_ZERO();
+            for (int64_t j = g * group; j < (g + 1) * group; j += 32)
+                for (int64_t h = 0; h < 16; h += GV_LANES) {
+                    GVI b = GV_BYTES(c + j / 2 + h);
+                    part = GV_FMA(GV_LOW(b), GV_LOAD(x + j + h), part);
+                    part = GV_FMA(GV_HIGH(b), GV_LOAD(x + j + 16 + h), part);
+                }
+            acc = GV_FMA(GV_SET1(scale_at(scale, r * groups + g, half)), part, acc);
+            if (mins) tail += scale_at(mins, r * groups + g, half) * xsum[g];
+        }
+        total = GV_HSUM(acc) + tail;
+#else
+        for (int64_t g = 0; g < groups; g++) {
+            float part = 0.0f;
+            for (int64_t j = g * group; j < (g + 1) * group; j += 32)
+                for (int64_t h = 0; h < 16; h++)
+                    part += (float)(c[j / 2 + h] & 0x0F) * x[j + h] + (float)(c[j / 2 + h] >> 4) * x[j + 16 + h];
+            total += scale_at(scale, r * groups + g, half) * part;
+            if (mins) tail += scale_at(mins, r * groups + g, half) * xsum[g];
+        }
+        total += tail;
+#endif
+        y[r] = total;
+    }
+}
+
+/* one projection of a layer, either layout */
+typedef struct {
+    int format, half;
+    const uint8_t *codes;
+    const void *sz, *mins;
+    int64_t n, k, group, block_n;
+    const float *x, *xsum;
+    float *y;
+} Gemv;
+
+static void gemv_run(const Gemv *g, int64_t begin, int64_t end) {
+    if (g->format == FORMAT_INT4PACK)
+        int4pack_gemv(g->codes, g->sz, g->n, g->k, g->group, g->block_n, g->x, g->y, begin, end);
+    else
+        nibble_gemv(g->codes, g->sz, g->mins, g->half, g->k, g->group, g->x, g->xsum, g->y, begin, end);
+}
+
 /* A second thread for the GEMVs of one int4_llama_decode_token call: it spins on `posted`, runs the
  * upper half of the row blocks of each posted GEMV and publishes `done`; the caller runs the lower
  * half meanwhile. Started and joined once per call (tens of microseconds against milliseconds). */
 typedef struct {
-    const uint8_t *packed;
-    const uint16_t *sz;
-    int64_t n, k, group, block_n, begin, end;
-    const float *x;
-    float *y;
+    Gemv job;
+    int64_t begin, end;
     atomic_long posted, done;
     atomic_int stop;
 } GemvHelper;
@@ -442,47 +533,60 @@ static void *gemv_helper_main(void *arg) {
             if (atomic_load_explicit(&h->stop, memory_order_acquire)) return NULL;
             spin_pause();
         }
-        int4pack_gemv(h->packed, h->sz, h->n, h->k, h->group, h->block_n, h->x, h->y, h->begin, h->end);
+        gemv_run(&h->job, h->begin, h->end);
         seen = posted;
         atomic_store_explicit(&h->done, posted, memory_order_release);
     }
 }
 
-/* y = W x over all rows, split with the helper when there is one */
-static void gemv_rows(GemvHelper *h, const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t group,
-                      int64_t block_n, const float *x, float *y) {
-    int64_t mid = (n / block_n / 2) * block_n;
+/* y = W x over all rows (the layer's projection `codes`, `sz`, `mins` in the dims' layout), split
+ * with the helper when there is one */
+static void gemv_rows(GemvHelper *h, const Int4Dims *d, const uint8_t *codes, const void *sz, const void *mins,
+                      int64_t n, int64_t k, const float *x, float *y) {
+    float xsum[512]; /* k / group <= 16384 / 32 */
+    Gemv g = {(int)d->format, (int)d->half, codes, sz, mins, n, k, d->group, d->block_n, x, xsum, y};
+    if (d->format == FORMAT_NIBBLES && mins)
+        for (int64_t i = 0; i < k / d->group; i++) {
+            float sum = 0.0f;
+            for (int64_t j = i * d->group; j < (i + 1) * d->group; j++) sum += x[j];
+            xsum[i] = sum;
+        }
+    int64_t unit = d->format == FORMAT_INT4PACK ? d->block_n : 16, mid = (n / unit / 2) * unit;
     if (!h || mid == 0) {
-        int4pack_gemv(packed, sz, n, k, group, block_n, x, y, 0, n);
+        gemv_run(&g, 0, n);
         return;
     }
-    h->packed = packed, h->sz = sz, h->n = n, h->k = k, h->group = group, h->block_n = block_n;
-    h->x = x, h->y = y, h->begin = mid, h->end = n;
+    h->job = g, h->begin = mid, h->end = n;
     long job = atomic_load_explicit(&h->posted, memory_order_relaxed) + 1;
     atomic_store_explicit(&h->posted, job, memory_order_release);
-    int4pack_gemv(packed, sz, n, k, group, block_n, x, y, 0, mid);
+    gemv_run(&g, 0, mid);
     while (atomic_load_explicit(&h->done, memory_order_acquire) != job) spin_pause();
 }
 
 /* s = round(x + residual) into residual (or residual = x for the first layer), out = RMSNorm(s);
  * n <= 16384 (checked by the caller) */
-static void add_norm(const float *x, float *residual, int first, const uint16_t *weight, int64_t n, float eps,
+static void add_norm(const float *x, float *residual, int first, const void *weight, int64_t n, float eps, int bf16,
                      float *out) {
     float w[16384];
     for (int64_t j = 0; j < n; j++) residual[j] = first ? x[j] : x[j] + residual[j];
-    round_row(residual, n, 1);
-    load_row(weight, 0, w, n, 1);
-    norm_row(residual, w, n, eps, 1, out);
+    round_row(residual, n, bf16);
+    load_row(weight, 0, w, n, bf16);
+    norm_row(residual, w, n, eps, bf16, out);
 }
 
-static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, uint16_t *hidden,
-                        uint16_t *residual, int64_t position, int64_t slot, const int32_t *block_table,
-                        int64_t max_blocks, int64_t context_len, GemvHelper *helper) {
+static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, void *hidden, void *residual,
+                        int64_t position, int64_t slot, const int32_t *block_table, int64_t max_blocks,
+                        int64_t context_len, GemvHelper *helper) {
     int64_t H = d->hidden, q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     int64_t qkv_n = q_size + 2 * kv_size, I = d->intermediate;
-    if (position < 0 || position >= d->max_position || slot < 0 || slot >= d->num_blocks * d->block_size ||
-        context_len < 1 || context_len > max_blocks * d->block_size || d->block_n > 256 || d->block_n % 2 || H > 16384 ||
-        H % d->block_n || qkv_n % d->block_n || (2 * I) % d->block_n || H % d->group || q_size % d->group ||
+    int bf = (int)d->bf16;
+    int layout_ok = d->format == FORMAT_INT4PACK
+                        ? d->block_n > 0 && d->block_n <= 256 && d->block_n % 2 == 0 && H % d->block_n == 0 &&
+                              qkv_n % d->block_n == 0 && (2 * I) % d->block_n == 0
+                        : d->format == FORMAT_NIBBLES && d->group % 32 == 0;
+    if (!layout_ok || position < 0 || position >= d->max_position || slot < 0 ||
+        slot >= d->num_blocks * d->block_size || context_len < 1 || context_len > max_blocks * d->block_size ||
+        H > 16384 || I > 16384 || q_size > 4096 || d->group < 1 || H % d->group || q_size % d->group ||
         I % d->group || d->rotary_dim > d->head_dim || d->rotary_dim % 2)
         return -1;
     for (int64_t t = 0; t < context_len; t += d->block_size) {
@@ -494,14 +598,16 @@ static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_
     if (!buf) return -2;
     float *x = buf, *res = x + H, *h = res + H, *qkv = h + H, *rot = qkv + qkv_n, *attn = rot + qkv_n,
           *gu = attn + q_size, *act = gu + 2 * I;
-    load_row(hidden, 0, x, H, 1);
+    float q_store[4096], out_store[4096]; /* q and the attention output in the cache's dtype */
+    load_row(hidden, 0, x, H, bf);
     int64_t half = d->rotary_dim / 2, row = kv_size;
     const float *cos = d->cos_sin + position * d->rotary_dim, *sin = cos + half;
-    for (int64_t l = 0; l < num_layers; l++) {
+    int rc = 0;
+    for (int64_t l = 0; l < num_layers && rc == 0; l++) {
         const Int4Layer *L = layers + l;
-        add_norm(x, res, l == 0, L->input_norm, H, d->eps, h);
-        gemv_rows(helper, L->qkv, L->qkv_sz, qkv_n, H, d->group, d->block_n, h, qkv);
-        round_row(qkv, qkv_n, 1);
+        add_norm(x, res, l == 0, L->input_norm, H, d->eps, bf, h);
+        gemv_rows(helper, d, L->qkv, L->qkv_sz, L->qkv_min, qkv_n, H, h, qkv);
+        round_row(qkv, qkv_n, bf);
         /* rotary on q and k heads (as rope_neox), v as it is */
         memcpy(rot, qkv, (size_t)qkv_n * sizeof(float));
         for (int64_t hh = 0; hh < d->heads + d->kv_heads; hh++) {
@@ -512,49 +618,42 @@ static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_
                 oh[half + i] = c + e;
             }
         }
-        round_row(rot, q_size + kv_size, 1);
-        store_row(L->k_cache, slot * row, rot + q_size, kv_size, 1);
-        store_row(L->v_cache, slot * row, rot + q_size + kv_size, kv_size, 1);
-        uint16_t q16[4096], out16[4096];
-        if (q_size > 4096) {
-            free(buf);
-            return -1;
-        }
-        store_row(q16, 0, rot, q_size, 1);
+        round_row(rot, q_size + kv_size, bf);
+        store_row(L->k_cache, slot * row, rot + q_size, kv_size, bf);
+        store_row(L->v_cache, slot * row, rot + q_size + kv_size, kv_size, bf);
+        store_row(q_store, 0, rot, q_size, bf);
         int32_t len32 = (int32_t)context_len;
-        int rc = paged_decode_attention(q16, q_size, L->k_cache, L->v_cache, block_table, max_blocks, &len32,
-                                        d->num_blocks, d->block_size, d->heads, d->kv_heads, d->head_dim, d->scale,
-                                        out16, 0, 1, 1);
-        if (rc != 0) {
-            free(buf);
-            return rc;
-        }
-        load_row(out16, 0, attn, q_size, 1);
-        gemv_rows(helper, L->o, L->o_sz, H, q_size, d->group, d->block_n, attn, x);
-        round_row(x, H, 1);
-        add_norm(x, res, 0, L->post_norm, H, d->eps, h);
-        gemv_rows(helper, L->gate_up, L->gate_up_sz, 2 * I, H, d->group, d->block_n, h, gu);
-        round_row(gu, 2 * I, 1);
+        rc = paged_decode_attention(q_store, q_size, L->k_cache, L->v_cache, block_table, max_blocks, &len32,
+                                    d->num_blocks, d->block_size, d->heads, d->kv_heads, d->head_dim, d->scale,
+                                    out_store, 0, 1, bf);
+        load_row(out_store, 0, attn, q_size, bf);
+        gemv_rows(helper, d, L->o, L->o_sz, L->o_min, H, q_size, attn, x);
+        round_row(x, H, bf);
+        add_norm(x, res, 0, L->post_norm, H, d->eps, bf, h);
+        gemv_rows(helper, d, L->gate_up, L->gate_up_sz, L->gate_up_min, 2 * I, H, h, gu);
+        round_row(gu, 2 * I, bf);
         for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])); /* silu, as torch computes it */
-        round_row(act, I, 1);
+        round_row(act, I, bf);
         for (int64_t i = 0; i < I; i++) act[i] *= gu[I + i];
-        round_row(act, I, 1);
-        gemv_rows(helper, L->down, L->down_sz, H, I, d->group, d->block_n, act, x);
-        round_row(x, H, 1);
+        round_row(act, I, bf);
+        gemv_rows(helper, d, L->down, L->down_sz, L->down_min, H, I, act, x);
+        round_row(x, H, bf);
     }
-    store_row(hidden, 0, x, H, 1);
-    store_row(residual, 0, res, H, 1);
+    if (rc == 0) {
+        store_row(hidden, 0, x, H, bf);
+        store_row(residual, 0, res, H, bf);
+    }
     free(buf);
-    return 0;
+    return rc;
 }
 
-/* hidden [hidden] bfloat16: the embedding in, the last layer's MLP output out; residual [hidden]
- * bfloat16 out (the final norm adds them, as the eager stack does). The token is at `position`,
+/* hidden [hidden] in the activation dtype: the embedding in, the last layer's MLP output out;
+ * residual [hidden] out (the final norm adds them, as the eager stack does). The token is at `position`,
  * its K/V go to `slot`, attention reads context_len tokens through block_table. With threads > 1
  * a second thread takes half of each GEMV's rows. Returns 0; -1 for an index or a shape out of
  * range, found before anything is written; -2 without memory. */
-int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, uint16_t *hidden,
-                            uint16_t *residual, int64_t position, int64_t slot, const int32_t *block_table,
+int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_layers, void *hidden,
+                            void *residual, int64_t position, int64_t slot, const int32_t *block_table,
                             int64_t max_blocks, int64_t context_len, int64_t threads) {
     GemvHelper helper;
     memset(&helper, 0, sizeof helper);

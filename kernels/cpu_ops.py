@@ -240,18 +240,22 @@ def paged_decode_attention(
 
 class Int4Layer(ctypes.Structure):
     """One Llama layer's tensors for int4_llama_decode_token (cpu_ops.c's Int4Layer): addresses of
-    bfloat16 norm weights, int4pack codes with their [G, N, 2] bfloat16 scales and zeros, and the
-    layer's KV cache."""
+    the norm weights, each projection's 4-bit codes with their scales (int4pack: [G, N, 2] bfloat16
+    scale and zero; GGUF nibbles: [N, G] scales and, or 0, mins), and the layer's KV cache."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_sz", "o_sz", "gate_up_sz", "down_sz",
-        "k_cache", "v_cache")]  # fmt: skip
+        "qkv_min", "o_min", "gate_up_min", "down_min", "k_cache", "v_cache")]  # fmt: skip
+
+
+FORMAT_INT4PACK, FORMAT_NIBBLES = 0, 1  # Int4Dims.format: int4pack with bf16 activations; nibbles with float32
 
 
 class Int4Dims(ctypes.Structure):
     _fields_ = [
         *[(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "group",
-                                              "block_n", "num_blocks", "block_size", "max_position", "rotary_dim")],
+                                              "block_n", "num_blocks", "block_size", "max_position", "rotary_dim",
+                                              "format", "bf16", "half")],
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("cos_sin", ctypes.c_void_p),
@@ -261,8 +265,8 @@ class Int4Dims(ctypes.Structure):
 def int4_llama_decode_token(
     dims: Int4Dims,
     layers: ctypes.Array,  # of Int4Layer
-    hidden: torch.Tensor,  # [hidden] bfloat16, contiguous: the embedding in, the last MLP output out
-    residual: torch.Tensor,  # [hidden] bfloat16, contiguous: written
+    hidden: torch.Tensor,  # [hidden] in the activation dtype, contiguous: the embedding in, the last MLP output out
+    residual: torch.Tensor,  # [hidden] likewise: written
     position: int,
     slot: int,
     block_table: torch.Tensor,  # [max_blocks] int32, contiguous

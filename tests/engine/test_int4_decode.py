@@ -14,7 +14,7 @@ from moemesh.engine.models import llama_int4_decode
 from moemesh.kernels import cpu_ops, group_gemv
 
 from .oracle_helpers import max_rel_error
-from .test_quantized_oracle import BFLOAT16_BOUND
+from .test_quantized_oracle import BFLOAT16_BOUND, FLOAT32_BOUND
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,23 @@ def test_the_c_decode_agrees_with_hf_where_the_margin_exceeds_the_bound(llm, hf_
     assert num_safe > 0 and num_agree >= 0.9 * num_generated
 
 
+def test_the_float32_c_decode_on_gguf_nibbles_matches_hf_logits_and_greedy_tokens(smollm_path, hf_model, prompt_ids,
+                                                                                  hf_greedy, monkeypatch):  # fmt: skip
+    llm32 = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=64, show_progress=False)
+    calls = []
+    real = cpu_ops.int4_llama_decode_token
+    monkeypatch.setattr(cpu_ops, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for prompt, greedy in list(zip(prompt_ids, hf_greedy))[:4]:
+        seq = prompt + greedy
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([seq])).logits[0, len(prompt) - 1 : -1]
+        ours = decode_logits(llm32, seq, len(prompt))
+        assert max_rel_error(ours, ref) < FLOAT32_BOUND
+        assert ours.argmax(-1).tolist() == greedy
+    assert len(calls) == sum(len(g) - 1 for g in hf_greedy[:4])
+    assert llm32.engine.model.int4_decode.dims.format == cpu_ops.FORMAT_NIBBLES
+
+
 def test_the_c_decode_equals_the_eager_stack_to_bfloat16_rounding(llm, prompt_ids, hf_greedy):
     seq = prompt_ids[0] + hf_greedy[0]
     fused = decode_logits(llm, seq, len(prompt_ids[0]))
@@ -94,13 +111,13 @@ def test_generate_runs_single_request_decode_rounds_through_the_c_call(llm, prom
 def test_stacks_the_c_call_does_not_read_run_eager_with_the_reason_logged_once(smollm_path, caplog):
     from moemesh import SamplingParams
 
-    llm = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=32, show_progress=False)
+    llm = LLM(smollm_path, dtype="float32", quantization="none", num_blocks=32, show_progress=False)
     with caplog.at_level("INFO", logger=llama_int4_decode.__name__):
         for _ in range(2):
             llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
     assert llm.engine.model.int4_decode is False
     assert [r.getMessage() for r in caplog.records].count(
-        "one-token decode runs the eager stack: a projection is not int4pack in the layout the C code reads"
+        "one-token decode runs the eager stack: a projection is not 4-bit in a layout the C code reads"
     ) == 1
 
 

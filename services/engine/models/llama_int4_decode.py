@@ -1,11 +1,12 @@
-"""A decode round of one request through a Llama stack whose projections are int4pack (GGUF 4-bit
-weights with bfloat16 activations on the CPU) in one C call (kernels/cpu_ops.c
-`int4_llama_decode_token`) instead of ~40 torch ops and module calls per layer.
+"""A decode round of one request through a Llama stack whose projections are GGUF 4-bit weights on
+the CPU (int4pack with bfloat16 activations, or GGUF's nibbles with float32 activations) in one C
+call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and module calls per
+layer.
 
 At one token per round the eager stack spends more time dispatching ops than moving weights
 (SmolLM2-135M, one thread: ~6 ms of a 16 ms step); the C call runs the same operations, rounded to
-bfloat16 where the eager tensors are, so its tokens are the eager path's up to the order of the
-projections' float32 sums. The embedding and the final norm stay the model's own.
+the activation dtype where the eager tensors are, so its tokens are the eager path's up to the
+order of the projections' float32 sums. The embedding and the final norm stay the model's own.
 
 `Int4Decode.build(model)` says None (logged, with the reason; the model then never asks again) when
 the stack is not one it reads: another dtype or device, a projection in another form, q/k norms,
@@ -44,30 +45,36 @@ class Int4Decode:
         attn, rope = first.self_attn, first.self_attn.rotary_emb
         qkv = first.self_attn.qkv_proj
         cos_sin = rope.cos_sin_cache
+        int4pack = qkv.form == "int4pack"
         dims = cpu_ops.Int4Dims(
             hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            intermediate=first.mlp.down_proj.in_features, group=qkv.group_size, block_n=qkv.block_n,
+            intermediate=first.mlp.down_proj.in_features, group=qkv.group_size, block_n=qkv.block_n or 0,
             num_blocks=attn.attn.k_cache.shape[0], block_size=attn.attn.k_cache.shape[1],
-            max_position=cos_sin.shape[0], rotary_dim=cos_sin.shape[1], eps=first.input_layernorm.eps,
+            max_position=cos_sin.shape[0], rotary_dim=cos_sin.shape[1],
+            format=cpu_ops.FORMAT_INT4PACK if int4pack else cpu_ops.FORMAT_NIBBLES, bf16=int(int4pack),
+            half=int(not int4pack and qkv.scales.dtype == torch.float16), eps=first.input_layernorm.eps,
             scale=attn.attn.scale, cos_sin=cos_sin.data_ptr(),
         )  # fmt: skip
         layers = (cpu_ops.Int4Layer * len(stack.layers))()
         for entry, layer in zip(layers, stack.layers):
             a, m = layer.self_attn, layer.mlp
-            entry.input_norm, entry.post_norm = (
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-            )
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for name, proj in (
                 ("qkv", a.qkv_proj),
                 ("o", a.o_proj),
                 ("gate_up", m.gate_up_proj),
                 ("down", m.down_proj),
             ):
-                setattr(entry, name, proj.packed.data_ptr())
-                setattr(entry, f"{name}_sz", proj.scales_zeros.data_ptr())
+                if int4pack:
+                    setattr(entry, name, proj.packed.data_ptr())
+                    setattr(entry, f"{name}_sz", proj.scales_zeros.data_ptr())
+                else:
+                    setattr(entry, name, proj.codes.data_ptr())
+                    setattr(entry, f"{name}_sz", proj.scales.data_ptr())
+                    setattr(entry, f"{name}_min", proj.mins.data_ptr() if hasattr(proj, "mins") else None)
             entry.k_cache, entry.v_cache = a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr()
-        log.info("one-token decode: the %d int4pack layers in one C call", len(stack.layers))
+        log.info("one-token decode: the %d %s layers in one C call", len(stack.layers), qkv.form)
         return cls(model, dims, layers, first.self_attn.attn.k_cache.data_ptr())
 
     @staticmethod
@@ -94,34 +101,42 @@ class Int4Decode:
 
 
 def _unsupported(model: nn.Module) -> str | None:
-    """Why the C call cannot run this model's stack, or None."""
+    """Why the C call cannot run this model's stack, or None. It reads int4pack projections with
+    bfloat16 activations, or GGUF nibble projections (groups of 32) with float32 activations."""
     if cpu_ops.library() is None:
         return "no C compiler"
     layers = model.model.layers
-    block_ns, groups = set(), set()
+    layouts = set()
     for layer in layers:
         a, m = layer.self_attn, getattr(layer, "mlp", None)
         projections = [getattr(a, "qkv_proj", None), getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
                        getattr(m, "down_proj", None)]  # fmt: skip
-        if not all(isinstance(p, QuantizedLinear) and p.form == "int4pack" and p.block_n for p in projections):
-            return "a projection is not int4pack in the layout the C code reads"
-        block_ns |= {p.block_n for p in projections}
-        groups |= {p.group_size for p in projections}
+        if not all(isinstance(p, QuantizedLinear) and _readable(p) for p in projections):
+            return "a projection is not 4-bit in a layout the C code reads"
+        layouts |= {_layout(p) for p in projections}
         if getattr(a, "q_norm", None) is not None or not a.rotary_emb.is_neox_style:
             return "q/k norms or GPT-J-style rotary"
+        dtype = torch.bfloat16 if projections[0].form == "int4pack" else torch.float32
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
-            return "norm weights not bfloat16"
+        if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+            return f"norm weights not {dtype}"
         cache = a.attn.k_cache
-        if (
-            cache.dtype != torch.bfloat16
-            or cache.device.type != "cpu"
-            or not cache.is_contiguous()
-            or not cache.numel()
-        ):
-            return "KV cache not a bound bfloat16 CPU tensor"
-    if len(block_ns) != 1 or len(groups) != 1:
-        return "projections with different layouts or group sizes"
+        if cache.dtype != dtype or cache.device.type != "cpu" or not cache.is_contiguous() or not cache.numel():
+            return f"KV cache not a bound {dtype} CPU tensor"
+    if len(layouts) != 1:
+        return "projections with different layouts, group sizes or scale dtypes"
     if layers[0].self_attn.num_heads * layers[0].self_attn.head_dim > 4096:
         return "more than 4096 query features"
     return None
+
+
+def _readable(p: QuantizedLinear) -> bool:
+    if p.form == "int4pack":
+        return bool(p.block_n)
+    return p.form == "nibbles" and p.group_size % 32 == 0 and not p.codes.is_cuda
+
+
+def _layout(p: QuantizedLinear) -> tuple:
+    if p.form == "int4pack":
+        return p.form, p.block_n, p.group_size
+    return p.form, p.group_size, p.scales.dtype, hasattr(p, "mins")
