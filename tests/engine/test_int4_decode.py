@@ -128,3 +128,14 @@ def test_a_slot_outside_the_cache_is_refused_with_an_error(llm):
                              torch.tensor([1], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32), 1)  # fmt: skip
     with pytest.raises(IndexError, match="slot"), torch.inference_mode():
         model(torch.tensor([5]), torch.tensor([0]), meta)
+
+
+def test_the_c_decode_holds_the_stack_not_its_model(llm):
+    """No reference cycle: a dropped model (and its KV cache) is freed at once, not at the next
+    cyclic collection (the test suite's many engines ran out of memory waiting for it)."""
+    import gc
+
+    model = llm.engine.model
+    decode = model.int4_decode or llama_int4_decode.Int4Decode.build(model)
+    held = [r for d in gc.get_referents(decode) for r in gc.get_referents(d)]
+    assert decode.stack is model.model and not any(r is model for r in held)

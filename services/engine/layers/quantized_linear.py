@@ -207,7 +207,8 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     buffers = _local.__dict__.setdefault("buffers", {})
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: written inside and outside inference mode
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 

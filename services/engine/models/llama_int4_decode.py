@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class Int4Decode:
-    def __init__(self, model: nn.Module, dims: cpu_ops.Int4Dims, layers: ctypes.Array, cache_ptr: int):
-        self.model, self.dims, self.layers, self.cache_ptr = model, dims, layers, cache_ptr
+    def __init__(self, stack: nn.Module, dims: cpu_ops.Int4Dims, layers: ctypes.Array, cache_ptr: int):
+        # the decoder stack, not the model that holds this object: no reference cycle keeps a
+        # dropped model (and its KV cache) alive until the cyclic collector runs
+        self.stack, self.dims, self.layers, self.cache_ptr = stack, dims, layers, cache_ptr
 
     @classmethod
     def build(cls, model: nn.Module) -> Int4Decode | None:
@@ -75,7 +77,7 @@ class Int4Decode:
                     setattr(entry, f"{name}_min", proj.mins.data_ptr() if hasattr(proj, "mins") else None)
             entry.k_cache, entry.v_cache = a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr()
         log.info("one-token decode: the %d %s layers in one C call", len(stack.layers), qkv.form)
-        return cls(model, dims, layers, first.self_attn.attn.k_cache.data_ptr())
+        return cls(stack, dims, layers, first.self_attn.attn.k_cache.data_ptr())
 
     @staticmethod
     def caches_bound(model: nn.Module) -> bool:
@@ -84,13 +86,13 @@ class Int4Decode:
 
     def current(self) -> bool:
         """The KV caches are still the ones whose addresses were taken."""
-        return self.model.model.layers[0].self_attn.attn.k_cache.data_ptr() == self.cache_ptr
+        return self.stack.layers[0].self_attn.attn.k_cache.data_ptr() == self.cache_ptr
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         return input_ids.shape[0] == 1 and meta.num_decode_reqs == 1 and meta.context_lens.shape[0] == 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        stack = self.model.model
+        stack = self.stack
         hidden = stack.embed_tokens(input_ids).contiguous()  # [1, hidden]
         residual = torch.empty_like(hidden)
         table = meta.block_tables[0]
