@@ -87,6 +87,16 @@ static inline float sum_parts(float *part) {
     return part[0];
 }
 
+/* a . b in float32: ACC partial sums, then the tail */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float part[ACC] = {0}, tail = 0.0f;
+    int64_t j = 0;
+    for (; j + ACC <= n; j += ACC)
+        for (int l = 0; l < ACC; l++) part[l] += a[j + l] * b[j + l];
+    for (; j < n; j++) tail += a[j] * b[j];
+    return tail + sum_parts(part);
+}
+
 /* exp(x) for the softmax's x <= 0, in arithmetic the compiler vectorizes: x = n ln2 + r with n
  * rounded to nearest (the 1.5 * 2^23 trick) and ln2 split in two (Cody-Waite), exp(r) on
  * |r| <= ln2 / 2 by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n built in
@@ -110,16 +120,10 @@ static inline float exp_nonpositive(float x) {
 
 /* out = s * (1 / sqrt(mean(s^2) + eps)), rounded to the dtype, times w, rounded */
 static void norm_row(const float *s, const float *w, int64_t n, float eps, int bf16, float *out) {
-    float acc[ACC] = {0}, sum = 0.0f;
-    int64_t j = 0;
-    for (; j + ACC <= n; j += ACC)
-        for (int l = 0; l < ACC; l++) acc[l] += s[j + l] * s[j + l];
-    for (; j < n; j++) sum += s[j] * s[j];
-    sum += sum_parts(acc);
-    float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    for (j = 0; j < n; j++) out[j] = s[j] * inv;
+    float inv = 1.0f / sqrtf(dot(s, s, n) / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) out[j] = s[j] * inv;
     round_row(out, n, bf16);
-    for (j = 0; j < n; j++) out[j] *= w[j];
+    for (int64_t j = 0; j < n; j++) out[j] *= w[j];
     round_row(out, n, bf16);
 }
 
@@ -220,14 +224,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 int64_t at = (b * block_size + t % block_size) * row + g * head_dim;
                 load_row(k_cache, at, kf, head_dim, bf16);
                 for (int64_t i = 0; i < group; i++) {
-                    const float *qi = qf + i * head_dim;
-                    float part[ACC] = {0}, dot = 0.0f;
-                    int64_t j = 0;
-                    for (; j + ACC <= head_dim; j += ACC)
-                        for (int l = 0; l < ACC; l++) part[l] += qi[j + l] * kf[j + l];
-                    for (; j < head_dim; j++) dot += qi[j] * kf[j];
-                    dot += sum_parts(part);
-                    scores[i * len + t] = dot * scale;
+                    scores[i * len + t] = dot(qf + i * head_dim, kf, head_dim) * scale;
                 }
             }
             /* softmax numerators, kept unnormalized; the sums divide at the end */
