@@ -24,8 +24,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NATIVE_FLAGS = ("-march=native",)
-# -ffp-contract=off: no fused multiply-adds unless written (the kernels round where torch does)
-BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
+# -ffp-contract=off: no fused multiply-adds unless written (the kernels round where torch does);
+# -pthread: cpu_ops.c starts a GEMV helper thread
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-pthread")
 
 
 def cpu_flags() -> str:

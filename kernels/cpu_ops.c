@@ -9,10 +9,12 @@
  *   rope_neox: x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and sum rounded to float32
  *              (built with -ffp-contract=off: no fused multiply-adds), then to the dtype: the same
  *              bits as the reference;
- *   store_kv:  K and V rows copied to their slots; negative slots are skipped.
+ *   store_kv:  K and V rows copied to their slots; negative slots are skipped;
+ *   paged_decode_attention: one query token per request over the paged cache, softmax in float32;
+ *   int4_llama_decode_token: one token through a whole Llama stack with 4-bit weights (below).
  * `bf16` selects the element type of every tensor argument of a call: 1 bfloat16, 0 float32.
- * Functions return 0, or -1 for an index out of range (the caller raises; nothing was written
- * for that call's later rows).
+ * Functions return 0, or -1 for an index out of range (the caller raises); a refused call has
+ * written nothing into a tensor it was given to update (a KV cache).
  */
 #include <math.h>
 #include <pthread.h>
@@ -36,17 +38,6 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN st
     memcpy(&u, &f, sizeof u);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
-}
-
-static inline float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = float_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
 }
 
 /* n elements from p + at into float32 dst: one loop per dtype, so that each vectorizes */
@@ -74,9 +65,6 @@ static inline void round_row(float *v, int64_t n, int bf16) {
     if (bf16)
         for (int64_t i = 0; i < n; i++) v[i] = bf16_to_float(float_to_bf16(v[i]));
 }
-
-/* the value v takes when stored in the dtype */
-static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
 
 #define ACC 16 /* independent partial sums: the compiler vectorizes them without reassociating */
 
@@ -148,28 +136,40 @@ int rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_
     return 0;
 }
 
+/* NeoX rotary of `heads` heads of one token, float32 in and out: the first rotary_dim of each head
+ * rotate as two halves (x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product and sum rounded
+ * to float32), the rest are copied. cos, sin: rotary_dim / 2 values each. */
+static void rope_row(const float *x, float *out, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                     const float *cos, const float *sin) {
+    int64_t half = rotary_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const float *xh = x + h * head_dim;
+        float *oh = out + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            float a = xh[i] * cos[i], b = xh[half + i] * sin[i], c = xh[half + i] * cos[i], d = xh[i] * sin[i];
+            oh[i] = a - b;
+            oh[half + i] = c + d;
+        }
+        for (int64_t i = rotary_dim; i < head_dim; i++) oh[i] = xh[i];
+    }
+}
+
 /* NeoX-style rotary embedding of x [tokens, heads, head_dim] (token stride x_stride, heads
- * contiguous) into out, alike (token stride out_stride): the first rotary_dim of each head
- * rotate as two halves, the rest are copied. cos_sin [max_position, rotary_dim] float32 (cos | sin). */
+ * contiguous) into out, alike (token stride out_stride), by rope_row. cos_sin [max_position,
+ * rotary_dim] float32 (cos | sin). heads * head_dim <= 16384. */
 int rope_neox(const void *x, int64_t x_stride, const int64_t *positions, const float *cos_sin,
               int64_t max_position, void *out, int64_t out_stride, int64_t tokens, int64_t heads, int64_t head_dim,
               int64_t rotary_dim, int bf16) {
-    int64_t half = rotary_dim / 2;
-    if (rotary_dim % 2 || rotary_dim > head_dim) return -1;
+    int64_t width = heads * head_dim;
+    if (rotary_dim % 2 || rotary_dim > head_dim || width > 16384) return -1;
+    float in[16384], rotated[16384];
     for (int64_t t = 0; t < tokens; t++) {
         int64_t pos = positions[t];
         if (pos < 0 || pos >= max_position) return -1;
-        const float *cos = cos_sin + pos * rotary_dim, *sin = cos + half;
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t in = t * x_stride + h * head_dim, o = t * out_stride + h * head_dim;
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = load(x, in + i, bf16), x2 = load(x, in + half + i, bf16);
-                float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
-                store(out, o + i, a - b, bf16);
-                store(out, o + half + i, c + d, bf16);
-            }
-            for (int64_t i = rotary_dim; i < head_dim; i++) store(out, o + i, load(x, in + i, bf16), bf16);
-        }
+        const float *cos = cos_sin + pos * rotary_dim;
+        load_row(x, t * x_stride, in, width, bf16);
+        rope_row(in, rotated, heads, head_dim, rotary_dim, cos, cos + rotary_dim / 2);
+        store_row(out, t * out_stride, rotated, width, bf16);
     }
     return 0;
 }
@@ -256,10 +256,8 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
             }
             for (int64_t i = 0; i < group; i++)
-                for (int64_t j = 0; j < head_dim; j++) {
-                    float v = len ? acc[i * head_dim + j] / total[i] : 0.0f;
-                    store(out, (r * heads + g * group + i) * head_dim + j, v, bf16);
-                }
+                for (int64_t j = 0; j < head_dim; j++) acc[i * head_dim + j] = len ? acc[i * head_dim + j] / total[i] : 0.0f;
+            store_row(out, (r * heads + g * group) * head_dim, acc, group * head_dim, bf16);
         }
         free(scores);
     }
@@ -605,16 +603,9 @@ static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_
         add_norm(x, res, l == 0, L->input_norm, H, d->eps, bf, h);
         gemv_rows(helper, d, L->qkv, L->qkv_sz, L->qkv_min, qkv_n, H, h, qkv);
         round_row(qkv, qkv_n, bf);
-        /* rotary on q and k heads (as rope_neox), v as it is */
-        memcpy(rot, qkv, (size_t)qkv_n * sizeof(float));
-        for (int64_t hh = 0; hh < d->heads + d->kv_heads; hh++) {
-            float *xh = qkv + hh * d->head_dim, *oh = rot + hh * d->head_dim;
-            for (int64_t i = 0; i < half; i++) {
-                float a = xh[i] * cos[i], b = xh[half + i] * sin[i], c = xh[half + i] * cos[i], e = xh[i] * sin[i];
-                oh[i] = a - b;
-                oh[half + i] = c + e;
-            }
-        }
+        /* rotary on q and k heads, v as it is */
+        rope_row(qkv, rot, d->heads + d->kv_heads, d->head_dim, d->rotary_dim, cos, sin);
+        memcpy(rot + q_size + kv_size, qkv + q_size + kv_size, (size_t)kv_size * sizeof(float));
         round_row(rot, q_size + kv_size, bf);
         store_row(L->k_cache, slot * row, rot + q_size, kv_size, bf);
         store_row(L->v_cache, slot * row, rot + q_size + kv_size, kv_size, bf);

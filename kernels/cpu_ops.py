@@ -25,7 +25,7 @@ from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, run_parts
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-MAX_HIDDEN = 16384  # rms_norm's row buffer in cpu_ops.c
+MAX_HIDDEN = 16384  # rms_norm's and rope_neox's row buffers in cpu_ops.c
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -103,6 +103,7 @@ def rope_usable(query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Ten
         and query.dim() == 3
         and key.dim() == 3
         and query.shape[2] == key.shape[2]
+        and max(query.shape[1], key.shape[1]) * query.shape[2] <= MAX_HIDDEN
         and cos_sin_cache.dtype == torch.float32
         and cos_sin_cache.is_contiguous()
         and cos_sin_cache.shape[1] <= query.shape[2]

@@ -142,15 +142,11 @@ def dequantize(
     return out
 
 
+@functools.cache
 def int4pack_block_n() -> int | None:
     """The rows per block of PyTorch's CPU int4pack layout on this machine (it follows the vector
     width ATen dispatches to: 64 with AVX-512, 32 with AVX2), found by packing a probe and checked
     against int4pack_dequantize's reading of it; None if the layout is not the one it reads."""
-    return _int4pack_block_n()
-
-
-@functools.cache
-def _int4pack_block_n() -> int | None:
     lib = library()
     if lib is None:
         return None
@@ -159,11 +155,10 @@ def _int4pack_block_n() -> int | None:
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_zeros = torch.stack((torch.ones(k // group, n), torch.full((k // group, n), 8.0)), -1).bfloat16()
-    for block_n in (64, 32, 16, 128):
-        if packed.shape == (n, k // 2):
-            w = int4pack_dequantize(packed, scales_zeros.contiguous(), group, block_n, lib=lib, check=False)
-            if w is not None and torch.equal(w.t().float(), codes.float()):
-                return block_n
+    for block_n in (64, 32, 16, 128) if packed.shape == (n, k // 2) else ():
+        w = int4pack_dequantize(packed, scales_zeros.contiguous(), group, block_n, lib=lib, check=False)
+        if w is not None and torch.equal(w.t().float(), codes.float()):
+            return block_n
     log.info("int4pack: an unknown CPU layout; 4-bit weights run _weight_int4pack_mm_for_cpu at every row count")
     return None
 

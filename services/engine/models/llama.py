@@ -54,9 +54,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.model = DecoderModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.int4_decode: Int4Decode | None | bool = (
-            None  # built at the first forward (KV caches bound); False: not here
-        )
+        # the one-token C decode: built at the first forward with KV caches bound; False: not for this stack
+        self.int4_decode: Int4Decode | None | bool = None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if self.int4_decode is None and Int4Decode.caches_bound(self):  # decided once, with the caches bound

@@ -10,8 +10,8 @@ order of the projections' float32 sums. The embedding and the final norm stay th
 
 `Int4Decode.build(model)` says None (logged, with the reason; the model then never asks again) when
 the stack is not one it reads: another dtype or device, a projection in another form, q/k norms,
-GPT-J rotary, or no C compiler. The tensors' addresses are taken once; a KV cache rebound since is noticed and
-the addresses taken again.
+GPT-J rotary, or no C compiler. The tensors' addresses are taken once; a KV cache rebound since
+is noticed and the addresses taken again.
 """
 
 from __future__ import annotations
