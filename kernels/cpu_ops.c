@@ -66,6 +66,65 @@ static inline void round_row(float *v, int64_t n, int bf16) {
         for (int64_t i = 0; i < n; i++) v[i] = bf16_to_float(float_to_bf16(v[i]));
 }
 
+/* Vectors for the GEMVs and attention: AVX-512 (16 float lanes) or AVX2 + FMA (8); without either
+ * GV_LANES is undefined and the scalar loops run. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+#define GV_LANES 16
+#define GV __m512
+#define GV_ZERO() _mm512_setzero_ps()
+#define GV_SET1(v) _mm512_set1_ps(v)
+#define GV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GV_SUB(a, b) _mm512_sub_ps(a, b)
+#define GV_ADD(a, b) _mm512_add_ps(a, b)
+/* a vector's 16 lanes summed down to 4 (lane l: the sum of lanes l, l + 4, ...) */
+static inline __m128 GV_FOLD4(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#define GV_STORE(p, v) _mm512_storeu_ps(p, v)
+#define GV_LOAD(p) _mm512_loadu_ps(p)
+#define GV_HSUM(v) _mm512_reduce_add_ps(v)
+#define GVI __m512i
+#define GV_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+/* codes to floats through a table of 0..15: the permute reads the low 4 bits of each lane */
+#define GV_CODES _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define GV_LOW(b) _mm512_permutexvar_ps(b, GV_CODES)
+#define GV_HIGH(b) _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), GV_CODES)
+#define GV_PAIRS(p) _mm512_loadu_si512((const void *)(p))
+#define GV_SCALE(u) _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))
+#define GV_ZERO_OF(u) _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)))
+#define GV_LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#else
+#define GV_LANES 8
+#define GV __m256
+#define GV_ZERO() _mm256_setzero_ps()
+#define GV_SET1(v) _mm256_set1_ps(v)
+#define GV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GV_SUB(a, b) _mm256_sub_ps(a, b)
+#define GV_ADD(a, b) _mm256_add_ps(a, b)
+static inline __m128 GV_FOLD4(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
+#define GV_STORE(p, v) _mm256_storeu_ps(p, v)
+#define GV_LOAD(p) _mm256_loadu_ps(p)
+static inline float GV_HSUM(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define GVI __m256i
+#define GV_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define GV_LOW(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)))
+#define GV_HIGH(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
+#define GV_PAIRS(p) _mm256_loadu_si256((const __m256i *)(p))
+#define GV_SCALE(u) _mm256_castsi256_ps(_mm256_slli_epi32(u, 16))
+#define GV_ZERO_OF(u) _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)))
+#define GV_LOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+#endif
+
 #define ACC 16 /* independent partial sums: the compiler vectorizes them without reassociating */
 
 /* the partial sums added pairwise (4 dependent adds, not 16) */
@@ -197,6 +256,189 @@ int store_kv(const void *key, int64_t k_stride, const void *value, int64_t v_str
  * int32; out [R, H, D] contiguous. Scores, softmax and the weighted sum in float32, out rounded
  * once (exp by exp_nonpositive); a request with no context gets zeros. Returns -1 for a block id or a length out of range
  * (or shapes past the buffers), -2 if out of memory. */
+/* Tokens [0, len) of a request through its block table, a block at a time (no division per
+ * token): the body (the macro's last argument) runs with `t` and `at`, the element where token t's row starts in the cache. */
+#define FOR_EACH_TOKEN(table, len, block_size, row, ...)                                                        \
+    for (int64_t t0_ = 0; t0_ < (len); t0_ += (block_size)) {                                                   \
+        int64_t base_ = (int64_t)(table)[t0_ / (block_size)] * (block_size) * (row);                            \
+        int64_t n_ = (len) - t0_ < (block_size) ? (len) - t0_ : (block_size);                                   \
+        for (int64_t j_ = 0; j_ < n_; j_++) {                                                                   \
+            int64_t t = t0_ + j_, at = base_ + j_ * (row);                                                      \
+            __VA_ARGS__                                                                                         \
+        }                                                                                                       \
+    }
+
+/* The K and V cache lines of a request, requested into L2 a few at a time while another request
+ * computes: a paged cache is read block by block from scattered places, which the hardware
+ * prefetchers do not foresee, and a burst of hundreds of prefetches stalls the core until the
+ * memory system can take them. `per_step` pairs of lines go out at each step (a 4-token chunk of
+ * scores, a token of the weighted sums), sized so that the request is covered in about one
+ * request's steps. */
+typedef struct {
+    const char *k, *v;
+    const int32_t *table;
+    int64_t len, block_size, row_bytes, t0, byte, per_step;
+} Prefetcher;
+
+static void prefetcher_start(Prefetcher *p, const void *k_cache, const void *v_cache, const int32_t *table,
+                             int64_t len, int64_t block_size, int64_t row_bytes, int64_t steps) {
+    *p = (Prefetcher){k_cache, v_cache, table, len, block_size, row_bytes, 0, 0, 0};
+    int64_t lines = (len * row_bytes + 63) / 64;
+    p->per_step = steps > 0 ? (lines + steps - 1) / steps : lines;
+}
+
+static inline void prefetch_some(Prefetcher *p) {
+    if (!p) return;
+    for (int64_t i = 0; i < p->per_step && p->t0 < p->len; i++) {
+        int64_t n = p->len - p->t0 < p->block_size ? p->len - p->t0 : p->block_size;
+        int64_t at = (int64_t)p->table[p->t0 / p->block_size] * p->block_size * p->row_bytes + p->byte;
+        __builtin_prefetch(p->k + at, 0, 2);
+        __builtin_prefetch(p->v + at, 0, 2);
+        p->byte += 64;
+        if (p->byte >= n * p->row_bytes) p->byte = 0, p->t0 += p->block_size;
+    }
+}
+
+#ifdef GV_LANES
+#define GV_ROW(cache, at, bf16) \
+    ((bf16) ? GV_LOAD_BF16((const uint16_t *)(cache) + (at)) : GV_LOAD((const float *)(cache) + (at)))
+
+/* scores[i, t] = scale * q_i . k_t for a group's heads (qf [group, D] float32), then the weighted
+ * V sums acc[i] = sum_t p[i, t] v_t, D a multiple of GV_LANES: K and V rows are read in place from
+ * the cache (bf16 widened in registers). `bf16` is a constant at each call, so each dtype gets its
+ * own loops. */
+static inline __attribute__((always_inline)) void group_scores_vector(const float *qf, const void *cache,
+                                                                      const int32_t *table, int64_t len,
+                                                                      int64_t block_size, int64_t row, int64_t off,
+                                                                      int64_t group, int64_t D, float scale,
+                                                                      float *scores, Prefetcher *pf, const int bf16) {
+    float kf[4 * 1024]; /* four bf16 K rows widened once for the group's heads */
+    const __m128 scale4 = _mm_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        int64_t base = (int64_t)table[t0 / block_size] * block_size * row + off;
+        int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t j = 0; j < n; j += 4) {
+            int64_t m = n - j < 4 ? n - j : 4; /* tokens t0 + j .. + m - 1; missing ones read token 0 of them */
+            prefetch_some(pf);
+            const float *k[4];
+            for (int64_t u = 0; u < 4; u++) {
+                int64_t at = base + (j + (u < m ? u : 0)) * row;
+                if (bf16) {
+                    for (int64_t c = 0; c < D; c += GV_LANES) GV_STORE(kf + u * D + c, GV_LOAD_BF16((const uint16_t *)cache + at + c));
+                    k[u] = kf + u * D;
+                } else {
+                    k[u] = (const float *)cache + at;
+                }
+            }
+            for (int64_t i = 0; i < group; i++) {
+                const float *qi = qf + i * D;
+                GV a0 = GV_ZERO(), a1 = GV_ZERO(), a2 = GV_ZERO(), a3 = GV_ZERO();
+                for (int64_t c = 0; c < D; c += GV_LANES) {
+                    GV qv = GV_LOAD(qi + c);
+                    a0 = GV_FMA(qv, GV_LOAD(k[0] + c), a0);
+                    a1 = GV_FMA(qv, GV_LOAD(k[1] + c), a1);
+                    a2 = GV_FMA(qv, GV_LOAD(k[2] + c), a2);
+                    a3 = GV_FMA(qv, GV_LOAD(k[3] + c), a3);
+                }
+                /* four horizontal sums at once: each vector folded to 4 lanes, then two rounds of hadd */
+                __m128 sums = _mm_hadd_ps(_mm_hadd_ps(GV_FOLD4(a0), GV_FOLD4(a1)), _mm_hadd_ps(GV_FOLD4(a2), GV_FOLD4(a3)));
+                float four[4];
+                _mm_storeu_ps(four, _mm_mul_ps(sums, scale4));
+                for (int64_t u = 0; u < m; u++) scores[i * len + t0 + j + u] = four[u];
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void group_values_vector(const float *scores, const void *cache,
+                                                                      const int32_t *table, int64_t len,
+                                                                      int64_t block_size, int64_t row, int64_t off,
+                                                                      int64_t group, int64_t D, float *acc,
+                                                                      Prefetcher *pf, const int bf16) {
+    for (int64_t c = 0; c < D; c += 2 * GV_LANES) { /* two lane blocks, up to four heads: 8 chains */
+        int two = c + GV_LANES < D;
+        for (int64_t i = 0; i < group; i += 4) {
+            int64_t n = group - i < 4 ? group - i : 4;
+            GV a0 = GV_ZERO(), a1 = GV_ZERO(), a2 = GV_ZERO(), a3 = GV_ZERO();
+            GV b0 = GV_ZERO(), b1 = GV_ZERO(), b2 = GV_ZERO(), b3 = GV_ZERO();
+            const float *s = scores + i * len;
+            FOR_EACH_TOKEN(table, len, block_size, row, {
+                if (c == 0 && i == 0) prefetch_some(pf);
+                GV v = GV_ROW(cache, at + off + c, bf16), w = two ? GV_ROW(cache, at + off + c + GV_LANES, bf16) : v;
+                GV p0 = GV_SET1(s[t]);
+                a0 = GV_FMA(p0, v, a0);
+                b0 = GV_FMA(p0, w, b0);
+                if (n > 1) {
+                    GV p1 = GV_SET1(s[len + t]);
+                    a1 = GV_FMA(p1, v, a1);
+                    b1 = GV_FMA(p1, w, b1);
+                }
+                if (n > 2) {
+                    GV p2 = GV_SET1(s[2 * len + t]);
+                    a2 = GV_FMA(p2, v, a2);
+                    b2 = GV_FMA(p2, w, b2);
+                }
+                if (n > 3) {
+                    GV p3 = GV_SET1(s[3 * len + t]);
+                    a3 = GV_FMA(p3, v, a3);
+                    b3 = GV_FMA(p3, w, b3);
+                }
+            })
+            GV out_a[4] = {a0, a1, a2, a3}, out_b[4] = {b0, b1, b2, b3};
+            for (int64_t h = 0; h < n; h++) {
+                GV_STORE(acc + (i + h) * D + c, out_a[h]);
+                if (two) GV_STORE(acc + (i + h) * D + c + GV_LANES, out_b[h]);
+            }
+        }
+    }
+}
+#endif
+
+/* the same for any D, a K or V row at a time through kf */
+static void group_scores_scalar(const float *qf, const void *cache, const int32_t *table, int64_t len,
+                                int64_t block_size, int64_t row, int64_t off, int64_t group, int64_t D, float scale,
+                                float *scores, int bf16) {
+    float kf[1024];
+    FOR_EACH_TOKEN(table, len, block_size, row, {
+        load_row(cache, at + off, kf, D, bf16);
+        for (int64_t i = 0; i < group; i++) scores[i * len + t] = dot(qf + i * D, kf, D) * scale;
+    })
+}
+
+static void group_values_scalar(const float *scores, const void *cache, const int32_t *table, int64_t len,
+                                int64_t block_size, int64_t row, int64_t off, int64_t group, int64_t D, float *acc,
+                                int bf16) {
+    float vf[1024];
+    for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
+    FOR_EACH_TOKEN(table, len, block_size, row, {
+        load_row(cache, at + off, vf, D, bf16);
+        for (int64_t i = 0; i < group; i++) {
+            float p = scores[i * len + t], *a = acc + i * D;
+            for (int64_t j = 0; j < D; j++) a[j] += p * vf[j];
+        }
+    })
+}
+
+/* softmax numerators of one row of scores in place (kept unnormalized); returns their sum */
+static float softmax_numerators(float *s, int64_t len) {
+    float m = -INFINITY, sum = 0.0f, part[ACC];
+    for (int l = 0; l < ACC; l++) part[l] = -INFINITY;
+    int64_t t = 0;
+    for (; t + ACC <= len; t += ACC)
+        for (int l = 0; l < ACC; l++) part[l] = s[t + l] > part[l] ? s[t + l] : part[l];
+    for (; t < len; t++) m = s[t] > m ? s[t] : m;
+    for (int l = 0; l < ACC; l++) m = part[l] > m ? part[l] : m;
+    for (t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - m);
+    for (int l = 0; l < ACC; l++) part[l] = 0.0f;
+    for (t = 0; t + ACC <= len; t += ACC)
+        for (int l = 0; l < ACC; l++) part[l] += s[t + l];
+    for (; t < len; t++) sum += s[t];
+    return sum + sum_parts(part);
+}
+
+/* every cache line of a request's K and V rows, requested into L2 (a paged cache is read block by
+ * block from scattered places, which the hardware prefetchers do not foresee) */
+
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
                            int64_t num_blocks, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -205,62 +447,57 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     if (head_dim < 1 || head_dim > 1024 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > 256 ||
         heads / kv_heads * head_dim > MAX_GROUP_DIM)
         return -1;
-    int64_t group = heads / kv_heads, row = kv_heads * head_dim;
-    float qf[MAX_GROUP_DIM], kf[1024], acc[MAX_GROUP_DIM]; /* a group's queries, a K or V row, the sums */
-    for (int64_t r = r_begin; r < r_end; r++) {
+    int64_t group = heads / kv_heads, row = kv_heads * head_dim, max_len = 0;
+    for (int64_t r = r_begin; r < r_end; r++) { /* every index checked before anything is read */
         int64_t len = context_lens[r];
         if (len < 0 || len > max_blocks * block_size) return -1;
         for (int64_t t = 0; t < len; t += block_size) {
             int32_t b = block_tables[r * max_blocks + t / block_size];
             if (b < 0 || b >= num_blocks) return -1;
         }
-        float *scores = len ? malloc((size_t)(group * len) * sizeof(float)) : NULL;
-        if (len && !scores) return -2;
+        max_len = len > max_len ? len : max_len;
+    }
+    float *scores = max_len ? malloc((size_t)(group * max_len) * sizeof(float)) : NULL;
+    if (max_len && !scores) return -2;
+    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM]; /* a group's queries, its weighted sums */
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int64_t len = context_lens[r];
+        const int32_t *table = block_tables + r * max_blocks;
+        Prefetcher next, *pf = NULL; /* the next request's lines, while this one computes (vector loops) */
+        if (r + 1 < r_end) {
+            prefetcher_start(&next, k_cache, v_cache, block_tables + (r + 1) * max_blocks, context_lens[r + 1],
+                             block_size, row * (bf16 ? 2 : 4), kv_heads * ((len + 3) / 4 + len));
+            pf = &next;
+        }
         for (int64_t g = 0; g < kv_heads; g++) {
+            int64_t off = g * head_dim;
             load_row(q, r * q_stride + g * group * head_dim, qf, group * head_dim, bf16);
-            /* scores[i, t] = scale * q_i . k_t for the group's heads i */
-            for (int64_t t = 0; t < len; t++) {
-                int64_t b = block_tables[r * max_blocks + t / block_size];
-                int64_t at = (b * block_size + t % block_size) * row + g * head_dim;
-                load_row(k_cache, at, kf, head_dim, bf16);
-                for (int64_t i = 0; i < group; i++) {
-                    scores[i * len + t] = dot(qf + i * head_dim, kf, head_dim) * scale;
-                }
-            }
-            /* softmax numerators, kept unnormalized; the sums divide at the end */
+#ifdef GV_LANES
+            if (head_dim % GV_LANES == 0) {
+                if (bf16)
+                    group_scores_vector(qf, k_cache, table, len, block_size, row, off, group, head_dim, scale, scores, pf, 1);
+                else
+                    group_scores_vector(qf, k_cache, table, len, block_size, row, off, group, head_dim, scale, scores, pf, 0);
+            } else
+#endif
+                group_scores_scalar(qf, k_cache, table, len, block_size, row, off, group, head_dim, scale, scores, bf16);
             float total[256];
-            for (int64_t i = 0; i < group; i++) {
-                float *s = scores + i * len, m = -INFINITY, sum = 0.0f, part[ACC];
-                for (int l = 0; l < ACC; l++) part[l] = -INFINITY;
-                int64_t t = 0;
-                for (; t + ACC <= len; t += ACC)
-                    for (int l = 0; l < ACC; l++) part[l] = s[t + l] > part[l] ? s[t + l] : part[l];
-                for (; t < len; t++) m = s[t] > m ? s[t] : m;
-                for (int l = 0; l < ACC; l++) m = part[l] > m ? part[l] : m;
-                for (t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - m);
-                for (int l = 0; l < ACC; l++) part[l] = 0.0f;
-                for (t = 0; t + ACC <= len; t += ACC)
-                    for (int l = 0; l < ACC; l++) part[l] += s[t + l];
-                for (; t < len; t++) sum += s[t];
-                sum += sum_parts(part);
-                total[i] = sum;
-            }
-            for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-            for (int64_t t = 0; t < len; t++) {
-                int64_t b = block_tables[r * max_blocks + t / block_size];
-                int64_t at = (b * block_size + t % block_size) * row + g * head_dim;
-                load_row(v_cache, at, kf, head_dim, bf16);
-                for (int64_t i = 0; i < group; i++) {
-                    float p = scores[i * len + t], *a = acc + i * head_dim;
-                    for (int64_t j = 0; j < head_dim; j++) a[j] += p * kf[j];
-                }
-            }
+            for (int64_t i = 0; i < group; i++) total[i] = softmax_numerators(scores + i * len, len);
+#ifdef GV_LANES
+            if (head_dim % GV_LANES == 0) {
+                if (bf16)
+                    group_values_vector(scores, v_cache, table, len, block_size, row, off, group, head_dim, acc, pf, 1);
+                else
+                    group_values_vector(scores, v_cache, table, len, block_size, row, off, group, head_dim, acc, pf, 0);
+            } else
+#endif
+                group_values_scalar(scores, v_cache, table, len, block_size, row, off, group, head_dim, acc, bf16);
             for (int64_t i = 0; i < group; i++)
                 for (int64_t j = 0; j < head_dim; j++) acc[i * head_dim + j] = len ? acc[i * head_dim + j] / total[i] : 0.0f;
             store_row(out, (r * heads + g * group) * head_dim, acc, group * head_dim, bf16);
         }
-        free(scores);
     }
+    free(scores);
     return 0;
 }
 
@@ -351,50 +588,7 @@ static inline __attribute__((always_inline)) void int4pack_gemv_impl(const uint8
     }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#if defined(__AVX512F__)
-#define GV_LANES 16
-#define GV __m512
-#define GV_ZERO() _mm512_setzero_ps()
-#define GV_SET1(v) _mm512_set1_ps(v)
-#define GV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define GV_SUB(a, b) _mm512_sub_ps(a, b)
-#define GV_STORE(p, v) _mm512_storeu_ps(p, v)
-#define GV_LOAD(p) _mm512_loadu_ps(p)
-#define GV_HSUM(v) _mm512_reduce_add_ps(v)
-#define GVI __m512i
-#define GV_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-/* codes to floats through a table of 0..15: the permute reads the low 4 bits of each lane */
-#define GV_CODES _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define GV_LOW(b) _mm512_permutexvar_ps(b, GV_CODES)
-#define GV_HIGH(b) _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), GV_CODES)
-#define GV_PAIRS(p) _mm512_loadu_si512((const void *)(p))
-#define GV_SCALE(u) _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))
-#define GV_ZERO_OF(u) _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)))
-#else
-#define GV_LANES 8
-#define GV __m256
-#define GV_ZERO() _mm256_setzero_ps()
-#define GV_SET1(v) _mm256_set1_ps(v)
-#define GV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define GV_SUB(a, b) _mm256_sub_ps(a, b)
-#define GV_STORE(p, v) _mm256_storeu_ps(p, v)
-#define GV_LOAD(p) _mm256_loadu_ps(p)
-static inline float GV_HSUM(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#define GVI __m256i
-#define GV_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define GV_LOW(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)))
-#define GV_HIGH(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
-#define GV_PAIRS(p) _mm256_loadu_si256((const __m256i *)(p))
-#define GV_SCALE(u) _mm256_castsi256_ps(_mm256_slli_epi32(u, 16))
-#define GV_ZERO_OF(u) _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)))
-#endif
-
+#ifdef GV_LANES
 /* int4pack_gemv_impl with vectors, for blocks of 4 * GV_LANES rows (the layout ATen packs for the
  * same vector width): per column, the block's half-width bytes give rows j (low nibbles) and
  * half + j (high); four accumulators hold the block's rows. Scale and zero of a (group, row) are

@@ -175,10 +175,6 @@ def store_kv(
         raise IndexError(f"store_kv: a slot beyond the cache's {num_slots}")
 
 
-# One request, or requests x table width (tokens) up to this, run here; larger rounds run the torch
-# reference's two batched matmuls, which read the gathered K/V faster (SmolLM2's heads, one thread:
-# 1 x 300 tokens 72 against 364 us, 8 x 60: 119 against 162, 16 x 60 even, 32 x 300: 3.6 against 1.4 ms)
-DECODE_ATTENTION_MAX_TOKENS = 1024
 PARALLEL_MIN_SCORES = 1 << 14  # query heads x cached tokens below which one thread does a round
 
 
@@ -186,10 +182,6 @@ def decode_attention_usable(query: torch.Tensor, k_cache: torch.Tensor, block_ta
                             context_lens: torch.Tensor) -> bool:  # fmt: skip
     return (
         query.dtype in DTYPES
-        and (
-            query.shape[0] == 1
-            or query.shape[0] * block_tables.shape[1] * k_cache.shape[1] <= DECODE_ATTENTION_MAX_TOKENS
-        )
         and _rows_ok(query, query.dtype)
         and query.dim() == 3
         and k_cache.dtype == query.dtype

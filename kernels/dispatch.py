@@ -42,11 +42,13 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, plan=None):
-    """`plan`: the round's DecodePlan (paged_attention.py), which the torch reference reuses."""
+    """`plan`: the round's DecodePlan (paged_attention.py), which the torch reference reuses, or a
+    function that builds it (called only when the reference runs)."""
     if _use_triton(query):
         return paged_decode_attention_triton(query, k_cache, v_cache, block_tables, context_lens, scale)
     if cpu_ops.decode_attention_usable(query, k_cache, block_tables, context_lens):
         return cpu_ops.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    plan = plan() if callable(plan) else plan
     return paged_decode_attention_ref(query, k_cache, v_cache, block_tables, context_lens, scale, plan)
 
 
@@ -64,7 +66,7 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_num_blocks] int32
     num_decode_reqs: int,
     scale: float,
-    decode_plan=None,  # a DecodePlan of an all-decode round, shared by its layers (torch reference only)
+    decode_plan=None,  # an all-decode round's DecodePlan or its builder, shared by its layers (torch reference only)
 ) -> torch.Tensor:
     """One round's attention: the first `num_decode_reqs` requests have one query token each."""
     d = num_decode_reqs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -35,7 +37,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         all_decode = meta.num_decode_reqs == meta.context_lens.shape[0]
-        plan = meta.decode_plan(self.k_cache.shape[1]) if all_decode and not q.is_cuda else None
+        plan = partial(meta.decode_plan, self.k_cache.shape[1]) if all_decode and not q.is_cuda else None
         return kernels.paged_attention(
             q,
             self.k_cache,
