@@ -135,6 +135,25 @@ def test_decode_rows_use_the_c_gemv_and_larger_rounds_dequantize(monkeypatch):
     assert calls == [GEMV_MAX_M]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tall_weight_is_dequantized_and_multiplied_in_chunks_of_bounded_bytes(dtype, monkeypatch):
+    """Past CHUNK_ROWS rows (an lm_head) each chunk holds CHUNK_BYTES (at least 256 rows): here 600
+    rows in chunks of 256, 256 and 88, each rebuilt into one scratch buffer; the product is the
+    whole weight's."""
+    module, data = loaded("Q8_0", dtype, n=600)
+    monkeypatch.setattr(quantized_linear, "CHUNK_ROWS", 300)
+    monkeypatch.setattr(quantized_linear, "CHUNK_BYTES", 100 * K * 4)  # under the 256-row floor
+    sizes = []
+    real = module.dequantize_rows
+    monkeypatch.setattr(module, "dequantize_rows", lambda rows, *a, **k: sizes.append(rows.stop - rows.start)
+                        or real(rows, *a, **k))  # fmt: skip
+    x = torch.randn(GEMV_MAX_M + 4, K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y, w = module(x), reference(data, "Q8_0")
+    assert sizes == [256, 256, 88] and y.shape == (GEMV_MAX_M + 4, 600)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((y.double() - x.double() @ w.T).abs() <= (x.double().abs() @ w.abs().T) * tolerance).all()
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_layout(qtype, monkeypatch):
     """N a multiple of int4pack's row blocks: up to GEMV_MAX_M rows run int4pack's own kernel,

@@ -19,8 +19,8 @@ three storage forms, and with it the kernel:
 
 `int8` and `nibbles` multiply a round of at most `GEMV_MAX_M` rows with the C kernel
 (kernels/group_gemv.py: exact scales, float32 sums, the weight read once at memory bandwidth) and
-dequantize per call above that. "Dequantize per call" rebuilds the weight, `CHUNK_ROWS` rows at a
-time, from the exact scales (float16 where that is exact, float32 otherwise): code * scale + min
+dequantize per call above that. "Dequantize per call" rebuilds the weight (whole, or a weight of
+more than `CHUNK_ROWS` rows in chunks of `CHUNK_BYTES`) from the exact scales (float16 where that is exact, float32 otherwise): code * scale + min
 rounded once to float32, then once to the activation dtype, by the C kernel (`dequantize`), or by
 torch where no C compiler built it (logged once; the same values); then multiplies. In float32 it
 is exactly `gguf.quants.dequantize(...)`. No full-precision copy of a weight outlives a call.
@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 
 INT4PACK_GROUPS = (32, 64, 128, 256)  # group sizes _weight_int4pack_mm_for_cpu takes
 GEMV_MAX_M = 8  # above this many rows, dequantize + dense beats the C GEMV (it re-reads the weight per 8 rows)
-CHUNK_ROWS = 8192  # rows dequantized at once (bounds the transient copy of a large weight)
+CHUNK_ROWS = 8192  # weights with more rows than this (an lm_head) are dequantized and multiplied in chunks
+# of this many bytes: one chunk stays in cache between its dequantization and its matmul (SmolLM2's
+# 49152 x 576 lm_head at M = 64, float32, one thread: 8192-row chunks 64 ms, 2048-row chunks 45 ms)
+CHUNK_BYTES = 4 << 20
 _logged: set[tuple[str, str, str]] = set()
 
 
@@ -140,13 +143,13 @@ class QuantizedLinear(nn.Module):
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         n = self.out_features
-        chunk = min(n, CHUNK_ROWS)
+        chunk = n if n <= CHUNK_ROWS else max(256, CHUNK_BYTES // (self.in_features * x.element_size()))
         buffer = _scratch(chunk * self.in_features, x.dtype).view(chunk, self.in_features)
-        if n <= CHUNK_ROWS:
+        if n <= chunk:
             return F.linear(x, self.dequantize_rows(slice(None), x.dtype, out=buffer))
         y = x.new_empty(x.shape[0], n)  # [M, N]
-        for r in range(0, n, CHUNK_ROWS):
-            rows = slice(r, min(r + CHUNK_ROWS, n))
+        for r in range(0, n, chunk):
+            rows = slice(r, min(r + chunk, n))
             y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype, out=buffer[: rows.stop - rows.start]))
         return y
 
@@ -203,7 +206,7 @@ _local = threading.local()  # per thread: an engine runs one forward at a time o
 
 
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused flat buffer for a dequantized chunk (at most CHUNK_ROWS x K)."""
+    """A reused flat buffer for a dequantized weight or chunk."""
     buffers = _local.__dict__.setdefault("buffers", {})
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
