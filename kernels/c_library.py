@@ -10,7 +10,6 @@ torch paths instead.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -18,7 +17,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,6 +25,9 @@ NATIVE_FLAGS = ("-march=native",)
 # -ffp-contract=off: no fused multiply-adds unless written (the kernels round where torch does);
 # -pthread: cpu_ops.c starts a GEMV helper thread
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off", "-pthread")
+# the NAME_parts entry points split a call over torch's OpenMP threads (c_parts.h); a compiler
+# without OpenMP builds them serial
+OPENMP_FLAGS = ("-fopenmp",)
 
 
 def cpu_flags() -> str:
@@ -51,18 +52,22 @@ def compile_library(source: Path, target_flags: tuple[str, ...], fallback: str) 
     if compiler is None:
         log.info("no C compiler for %s: %s", source.name, fallback)
         return None
-    flags = [*BASE_FLAGS, *target_flags]
-    parts = [source.read_bytes(), compiler.encode(), " ".join(flags).encode(), cpu_flags().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    path = cache_dir() / f"{source.stem}-{key}.so"
-    if not path.exists():
+    headers = sorted(source.parent.glob("*.h"))  # the sources' shared headers (c_parts.h)
+    for extra in (OPENMP_FLAGS, ()):
+        flags = [*BASE_FLAGS, *extra, *target_flags]
+        parts = [source.read_bytes(), *(h.read_bytes() for h in headers), compiler.encode(), " ".join(flags).encode(),
+                 cpu_flags().encode()]  # fmt: skip
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+        path = cache_dir() / f"{source.stem}-{key}.so"
         try:
-            _compile(compiler, flags, source, path)
+            if not path.exists():
+                _compile(compiler, flags, source, path)
+            return ctypes.CDLL(str(path))
         except (OSError, subprocess.CalledProcessError) as e:
             detail = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) else e
-            log.warning("building %s failed (%s): %s", source.name, fallback, detail)
-            return None
-    return ctypes.CDLL(str(path))
+            log.warning("building %s with %s failed (%s): %s", source.name, " ".join(flags), fallback if not extra
+                        else "trying without OpenMP", detail)  # fmt: skip
+    return None
 
 
 def _compile(compiler: str, flags: list[str], source: Path, path: Path) -> None:
@@ -74,13 +79,18 @@ def _compile(compiler: str, flags: list[str], source: Path, path: Path) -> None:
         os.replace(built, path)  # atomic: processes building at once each install a whole file
 
 
-def run_parts(fn, args: tuple, tail: tuple, parts: list[tuple[int, int]]) -> list[int]:
-    """fn(*args, begin, end, *tail) for each part, the first on this thread and the rest on a pool
-    (ctypes releases the GIL, so they run at once); the return codes, in order."""
-    futures = [_pool(len(parts) - 1).submit(fn, *args, *p, *tail) for p in parts[1:]]
-    return [fn(*args, *parts[0], *tail)] + [f.result() for f in futures]
+def declare_parts(lib: ctypes.CDLL, name: str, begin_index: int) -> None:
+    """Argument and return types of NAME_parts (c_parts.h) from NAME's, declared first: NAME's
+    (begin, end) at `begin_index` become (bounds, parts)."""
+    fn, parts_fn, i64 = getattr(lib, name), getattr(lib, f"{name}_parts"), ctypes.c_int64
+    parts_fn.argtypes = [*fn.argtypes[:begin_index], ctypes.POINTER(i64), i64, *fn.argtypes[begin_index + 2 :]]
+    parts_fn.restype = fn.restype
 
 
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor | None:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moemesh-c") if workers else None
+def run_parts(lib: ctypes.CDLL, name: str, args: tuple, tail: tuple, parts: list[tuple[int, int]]) -> int:
+    """NAME(*args, begin, end, *tail) for each part, all at once on torch's OpenMP threads through
+    NAME_parts (one part: NAME itself, here); the smallest return code (0: every part ran)."""
+    if len(parts) == 1:
+        return getattr(lib, name)(*args, *parts[0], *tail)
+    bounds = (ctypes.c_int64 * (len(parts) + 1))(*(begin for begin, _ in parts), parts[-1][1])
+    return getattr(lib, f"{name}_parts")(*args, bounds, len(parts), *tail)

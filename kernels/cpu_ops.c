@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "c_parts.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -79,7 +81,8 @@ static inline void round_row(float *v, int64_t n, int bf16) {
 #define GV_ADD(a, b) _mm512_add_ps(a, b)
 /* a vector's 16 lanes summed down to 4 (lane l: the sum of lanes l, l + 4, ...) */
 static inline __m128 GV_FOLD4(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), high);
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 #define GV_STORE(p, v) _mm512_storeu_ps(p, v)
@@ -249,15 +252,9 @@ int store_kv(const void *key, int64_t k_stride, const void *value, int64_t v_str
     return 0;
 }
 
-/* Decode attention over the paged KV cache, one query token per request (kernels/paged_attention.py's
- * layout): out[r, h] = softmax(scale * q[r, h] . K[r, :len, h / group]) @ V[r, :len, h / group],
- * requests [r_begin, r_end). q [R, H, D] (request stride q_stride, heads dense); caches
- * [num_blocks, block_size, KVH, D] contiguous; block_tables [R, max_blocks] int32; context_lens [R]
- * int32; out [R, H, D] contiguous. Scores, softmax and the weighted sum in float32, out rounded
- * once (exp by exp_nonpositive); a request with no context gets zeros. Returns -1 for a block id or a length out of range
- * (or shapes past the buffers), -2 if out of memory. */
 /* Tokens [0, len) of a request through its block table, a block at a time (no division per
- * token): the body (the macro's last argument) runs with `t` and `at`, the element where token t's row starts in the cache. */
+ * token): the body (the macro's last argument) runs with `t` and `at`, the element where token t's
+ * row starts in the cache. */
 #define FOR_EACH_TOKEN(table, len, block_size, row, ...)                                                        \
     for (int64_t t0_ = 0; t0_ < (len); t0_ += (block_size)) {                                                   \
         int64_t base_ = (int64_t)(table)[t0_ / (block_size)] * (block_size) * (row);                            \
@@ -324,7 +321,8 @@ static inline __attribute__((always_inline)) void group_scores_vector(const floa
             for (int64_t u = 0; u < 4; u++) {
                 int64_t at = base + (j + (u < m ? u : 0)) * row;
                 if (bf16) {
-                    for (int64_t c = 0; c < D; c += GV_LANES) GV_STORE(kf + u * D + c, GV_LOAD_BF16((const uint16_t *)cache + at + c));
+                    for (int64_t c = 0; c < D; c += GV_LANES)
+                        GV_STORE(kf + u * D + c, GV_LOAD_BF16((const uint16_t *)cache + at + c));
                     k[u] = kf + u * D;
                 } else {
                     k[u] = (const float *)cache + at;
@@ -341,7 +339,8 @@ static inline __attribute__((always_inline)) void group_scores_vector(const floa
                     a3 = GV_FMA(qv, GV_LOAD(k[3] + c), a3);
                 }
                 /* four horizontal sums at once: each vector folded to 4 lanes, then two rounds of hadd */
-                __m128 sums = _mm_hadd_ps(_mm_hadd_ps(GV_FOLD4(a0), GV_FOLD4(a1)), _mm_hadd_ps(GV_FOLD4(a2), GV_FOLD4(a3)));
+                __m128 sums = _mm_hadd_ps(_mm_hadd_ps(GV_FOLD4(a0), GV_FOLD4(a1)),
+                                          _mm_hadd_ps(GV_FOLD4(a2), GV_FOLD4(a3)));
                 float four[4];
                 _mm_storeu_ps(four, _mm_mul_ps(sums, scale4));
                 for (int64_t u = 0; u < m; u++) scores[i * len + t0 + j + u] = four[u];
@@ -364,7 +363,8 @@ static inline __attribute__((always_inline)) void group_values_vector(const floa
             const float *s = scores + i * len;
             FOR_EACH_TOKEN(table, len, block_size, row, {
                 if (c == 0 && i == 0) prefetch_some(pf);
-                GV v = GV_ROW(cache, at + off + c, bf16), w = two ? GV_ROW(cache, at + off + c + GV_LANES, bf16) : v;
+                GV v = GV_ROW(cache, at + off + c, bf16);
+                GV w = two ? GV_ROW(cache, at + off + c + GV_LANES, bf16) : v;
                 GV p0 = GV_SET1(s[t]);
                 a0 = GV_FMA(p0, v, a0);
                 b0 = GV_FMA(p0, w, b0);
@@ -436,9 +436,45 @@ static float softmax_numerators(float *s, int64_t len) {
     return sum + sum_parts(part);
 }
 
-/* every cache line of a request's K and V rows, requested into L2 (a paged cache is read block by
- * block from scattered places, which the hardware prefetchers do not foresee) */
+/* out [group, D] float32: one kv head's share of a request (its group's queries qf [group, D]),
+ * K/V at element `off` of each cached row; scores [group, len] is scratch */
+static void attend_group(const float *qf, const void *k_cache, const void *v_cache, const int32_t *table, int64_t len,
+                         int64_t block_size, int64_t row, int64_t off, int64_t group, int64_t D, float scale,
+                         float *scores, Prefetcher *pf, int bf16, float *out) {
+    (void)pf; /* read by the vector loops only */
+#ifdef GV_LANES
+    int vector = D % GV_LANES == 0;
+    if (vector && bf16)
+        group_scores_vector(qf, k_cache, table, len, block_size, row, off, group, D, scale, scores, pf, 1);
+    else if (vector)
+        group_scores_vector(qf, k_cache, table, len, block_size, row, off, group, D, scale, scores, pf, 0);
+    else
+#endif
+        group_scores_scalar(qf, k_cache, table, len, block_size, row, off, group, D, scale, scores, bf16);
+    float total[256];
+    for (int64_t i = 0; i < group; i++) total[i] = softmax_numerators(scores + i * len, len);
+#ifdef GV_LANES
+    if (vector && bf16)
+        group_values_vector(scores, v_cache, table, len, block_size, row, off, group, D, out, pf, 1);
+    else if (vector)
+        group_values_vector(scores, v_cache, table, len, block_size, row, off, group, D, out, pf, 0);
+    else
+#endif
+        group_values_scalar(scores, v_cache, table, len, block_size, row, off, group, D, out, bf16);
+    for (int64_t i = 0; i < group; i++)
+        for (int64_t j = 0; j < D; j++) out[i * D + j] = len ? out[i * D + j] / total[i] : 0.0f;
+}
 
+/* Decode attention over the paged KV cache, one query token per request (kernels/paged_attention.py's
+ * layout): out[r, h] = softmax(scale * q[r, h] . K[r, :len, h / group]) @ V[r, :len, h / group],
+ * requests [r_begin, r_end). q [R, H, D] (request stride q_stride, heads dense); caches
+ * [num_blocks, block_size, KVH, D] contiguous; block_tables [R, max_blocks] int32; context_lens [R]
+ * int32; out [R, H, D] contiguous. Scores, softmax and the weighted sum in float32, out rounded
+ * once (exp by exp_nonpositive); a request with no context gets zeros. Per request and kv head:
+ * the group's scores, their softmax numerators, the weighted V sums, divided at the end; with
+ * vectors (head_dim a multiple of the lanes) the next request's K/V are prefetched meanwhile.
+ * Returns -1 for a block id or a length out of range (or shapes past the buffers), checked before
+ * anything is read; -2 if out of memory. */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
                            int64_t num_blocks, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -470,35 +506,24 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
             pf = &next;
         }
         for (int64_t g = 0; g < kv_heads; g++) {
-            int64_t off = g * head_dim;
             load_row(q, r * q_stride + g * group * head_dim, qf, group * head_dim, bf16);
-#ifdef GV_LANES
-            if (head_dim % GV_LANES == 0) {
-                if (bf16)
-                    group_scores_vector(qf, k_cache, table, len, block_size, row, off, group, head_dim, scale, scores, pf, 1);
-                else
-                    group_scores_vector(qf, k_cache, table, len, block_size, row, off, group, head_dim, scale, scores, pf, 0);
-            } else
-#endif
-                group_scores_scalar(qf, k_cache, table, len, block_size, row, off, group, head_dim, scale, scores, bf16);
-            float total[256];
-            for (int64_t i = 0; i < group; i++) total[i] = softmax_numerators(scores + i * len, len);
-#ifdef GV_LANES
-            if (head_dim % GV_LANES == 0) {
-                if (bf16)
-                    group_values_vector(scores, v_cache, table, len, block_size, row, off, group, head_dim, acc, pf, 1);
-                else
-                    group_values_vector(scores, v_cache, table, len, block_size, row, off, group, head_dim, acc, pf, 0);
-            } else
-#endif
-                group_values_scalar(scores, v_cache, table, len, block_size, row, off, group, head_dim, acc, bf16);
-            for (int64_t i = 0; i < group; i++)
-                for (int64_t j = 0; j < head_dim; j++) acc[i * head_dim + j] = len ? acc[i * head_dim + j] / total[i] : 0.0f;
+            attend_group(qf, k_cache, v_cache, table, len, block_size, row, g * head_dim, group, head_dim, scale,
+                         scores, pf, bf16, acc);
             store_row(out, (r * heads + g * group) * head_dim, acc, group * head_dim, bf16);
         }
     }
     free(scores);
     return 0;
+}
+
+/* paged_decode_attention with its requests split over OpenMP threads (c_parts.h) */
+int paged_decode_attention_parts(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                 const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
+                                 int64_t num_blocks, int64_t block_size, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, float scale, void *out, const int64_t *bounds, int64_t parts,
+                                 int bf16) {
+    RUN_PARTS(paged_decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, context_lens, num_blocks,
+                                     block_size, heads, kv_heads, head_dim, scale, out, begin, end, bf16))
 }
 
 /* ---- One decode token through a stack of Llama layers with 4-bit weights ----

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, run_parts
+from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, declare_parts, run_parts
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.int4_llama_decode_token.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64]
     for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.int4_llama_decode_token):
         fn.restype = i32
+    declare_parts(lib, "paged_decode_attention", 14)
     return lib
 
 
@@ -221,11 +222,11 @@ def paged_decode_attention(
     args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], context_lens.data_ptr(), num_blocks, block_size, heads, kv_heads, head_dim,
             scale, out.data_ptr())  # fmt: skip
-    codes = run_parts(lib.paged_decode_attention, args, (int(query.dtype == torch.bfloat16),),
-                      list(zip(bounds[:-1], bounds[1:])))  # fmt: skip
-    if any(rc == -2 for rc in codes):
+    rc = run_parts(lib, "paged_decode_attention", args, (int(query.dtype == torch.bfloat16),),
+                   list(zip(bounds[:-1], bounds[1:])))  # fmt: skip
+    if rc == -2:
         raise MemoryError("paged_decode_attention: no memory for the scores")
-    if any(rc != 0 for rc in codes):
+    if rc != 0:
         raise IndexError("paged_decode_attention: a block id or context length outside the cache, or shapes "
                          f"past its buffers (heads {heads}, kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
     return out

@@ -16,6 +16,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "c_parts.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -400,4 +402,23 @@ int group_gemv_width(void) {
 #else
     return 0;
 #endif
+}
+
+/* the kernels above with their rows split over OpenMP threads (c_parts.h) */
+int group_gemv_parts(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half,
+                     const float *x, const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                     const int64_t *bounds, int64_t parts) {
+    RUN_PARTS(group_gemv(codes, nibbles, scale, mins, half, x, xsum, y, m, n, k, group, begin, end))
+}
+
+int group_dequantize_parts(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half,
+                           const int64_t *rows, int64_t row_begin, const int64_t *bounds, int64_t parts, int64_t k,
+                           int64_t group, void *out, int out_bf16) {
+    RUN_PARTS(group_dequantize(codes, nibbles, scale, mins, half, rows, row_begin, begin, end, k, group, out, out_bf16))
+}
+
+int int4pack_dequantize_parts(const uint8_t *packed, const uint16_t *scales_zeros, int64_t n, int64_t k,
+                              int64_t group, int64_t block_n, int64_t n_begin, int64_t n_end, const int64_t *bounds,
+                              int64_t parts, uint16_t *out) {
+    RUN_PARTS(int4pack_dequantize(packed, scales_zeros, n, k, group, block_n, n_begin, n_end, begin, end, out))
 }

@@ -9,7 +9,7 @@ float16 / float32 scales and mins, in float32: 1.4-1.6 ms for that lm_head at on
 memory's bandwidth. For 4-bit codes with bfloat16 activations int4pack stays faster (83 against
 139 us for [3072, 576] at one row; a bf16 dot-product variant of this kernel measured slower still).
 Weights of at least PARALLEL_MIN_WEIGHTS codes split their output rows over torch's thread count
-(a thread pool; ctypes releases the GIL; each row is summed as with one thread): that lm_head at
+(torch's OpenMP threads, c_parts.h; each row is summed as with one thread): that lm_head at
 two threads, 1.6 -> 1.1 ms.
 
 Rounds of more rows rebuild the weight and multiply densely; the same library rebuilds it:
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, run_parts
+from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, declare_parts, run_parts
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.int4pack_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr]
     lib.int4pack_dequantize.restype = i32
     lib.group_gemv_width.restype = i32
+    declare_parts(lib, "group_gemv", 12)
+    declare_parts(lib, "group_dequantize", 7)
+    declare_parts(lib, "int4pack_dequantize", 8)
     log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
              lib.group_gemv_width())  # fmt: skip
     return lib
@@ -97,8 +100,7 @@ def group_gemv(
         rows = min(MAX_M, m - r)
         args = (codes.data_ptr(), int(nibbles), scale.data_ptr(), mins_ptr, int(half), xf[r].data_ptr(),
                 xsum[r].data_ptr(), y[r].data_ptr(), rows, n, k, group)  # fmt: skip
-        # ctypes releases the GIL: the pool's threads and this one each run a range of output rows
-        if any(rc != 0 for rc in run_parts(lib.group_gemv, args, (), parts)):
+        if run_parts(lib, "group_gemv", args, (), parts) != 0:  # each thread a range of output rows
             raise ValueError(f"group_gemv: unsupported shapes (N={n}, K={k}, group={group}, nibbles={nibbles})")
     return y
 
@@ -138,7 +140,7 @@ def dequantize(
     args = (codes.data_ptr(), int(nibbles), scale.data_ptr(), None if mins is None else mins.data_ptr(),
             int(scale.dtype == torch.float16), None if index is None else index.data_ptr(), begin)  # fmt: skip
     tail = (k, k // num_groups, out.data_ptr(), int(dtype == torch.bfloat16))
-    _run_split(lib.group_dequantize, args, tail, _row_ranges(num, num * k, torch.get_num_threads()))
+    _run_split(lib, "group_dequantize", args, tail, _row_ranges(num, num * k, torch.get_num_threads()))
     return out
 
 
@@ -188,15 +190,16 @@ def int4pack_dequantize(
                          f"{tuple(scales_zeros.shape)} {scales_zeros.dtype} for a [{n}, {k}] weight")  # fmt: skip
     args = (packed.data_ptr(), scales_zeros.data_ptr(), n, k, group, block_n, begin, end)
     parts = _row_ranges(k, k * (end - begin), torch.get_num_threads())
-    ok = _run_split(lib.int4pack_dequantize, args, (out.data_ptr(),), parts, raise_on_error=check)
+    ok = _run_split(lib, "int4pack_dequantize", args, (out.data_ptr(),), parts, raise_on_error=check)
     return out if ok else None
 
 
-def _run_split(fn, args: tuple, tail: tuple, parts: list[tuple[int, int]], raise_on_error: bool = True) -> bool:
-    """fn(*args, begin, end, *tail) over the parts (c_library.run_parts); False (or ValueError) on a refusal."""
-    if any(rc != 0 for rc in run_parts(fn, args, tail, parts)):
+def _run_split(lib, name: str, args: tuple, tail: tuple, parts: list[tuple[int, int]], raise_on_error=True) -> bool:
+    """NAME(*args, begin, end, *tail) over the parts (c_library.run_parts); False (or ValueError) on a
+    refusal."""
+    if run_parts(lib, name, args, tail, parts) != 0:
         if raise_on_error:
-            raise ValueError(f"{fn.__name__}: unsupported shapes {args[2:]}")
+            raise ValueError(f"{name}: unsupported shapes {args[2:]}")
         return False
     return True
 

@@ -4,6 +4,8 @@ built independently (codes times scale plus min, per group), for each build this
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,3 +127,28 @@ def test_large_weights_split_their_rows_over_torchs_threads_with_the_same_result
     one = gg.group_gemv(x, codes, scale, lib=lib)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     assert torch.equal(gg.group_gemv(x, codes, scale, lib=lib), one)  # each row is summed the same way
+
+
+def test_parts_run_on_torchs_openmp_runtime_and_serially_where_the_compiler_has_none(monkeypatch, tmp_path, caplog):
+    """The NAME_parts entry points (c_parts.h) link libgomp.so.1, which resolves to the copy torch
+    loaded (one OpenMP runtime in the process: one pool of threads); a compiler that refuses
+    -fopenmp builds them serial, logged, with the same rows."""
+    lib = _library("native")
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (2048, 576), dtype=torch.int8, generator=gen)
+    scale = torch.rand(2048, 18, generator=gen).half()
+    x = torch.randn(2, 576, generator=gen)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    threaded = gg.group_gemv(x, codes, scale, lib=lib)
+    monkeypatch.setattr(c_library, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))
+    monkeypatch.setenv("MOEMESH_CACHE_DIR", str(tmp_path))
+    gg.build.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=c_library.__name__):
+            serial = gg.build(gg.NATIVE_FLAGS)
+        assert serial is not None and "trying without OpenMP" in caplog.text
+        assert torch.equal(gg.group_gemv(x, codes, scale, lib=serial), threaded)
+    finally:
+        gg.build.cache_clear()
