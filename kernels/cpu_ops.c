@@ -11,6 +11,7 @@
  *              bits as the reference;
  *   store_kv:  K and V rows copied to their slots; negative slots are skipped;
  *   paged_decode_attention: one query token per request over the paged cache, softmax in float32;
+ *   paged_prefill_attention: each new token over its request's cached prefix and itself, alike;
  *   int4_llama_decode_token: one token through a whole Llama stack with 4-bit weights (below).
  * `bf16` selects the element type of every tensor argument of a call: 1 bfloat16, 0 float32.
  * Functions return 0, or -1 for an index out of range (the caller raises); a refused call has
@@ -514,6 +515,62 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     }
     free(scores);
     return 0;
+}
+
+/* Prefill attention over the paged KV cache (the new tokens' K/V already stored): query token i of
+ * request r (rows cu_seqlens_q[r] .. [r + 1] of q, token stride q_stride) sits at position
+ * context_lens[r] - q_len + i and attends causally to the cached tokens 0 .. that position, one
+ * attend_group per token and kv head. Requests [r_begin, r_end); out [num_tokens, H, D]
+ * contiguous. Its work grows as q_len x context per request (dispatch.py takes it for short
+ * prompts; the torch reference's batched products are faster for long ones). Returns -1 for a
+ * block id, a length or offsets out of range (checked before anything is read), -2 without memory. */
+int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, int64_t max_blocks, const int32_t *cu_seqlens_q,
+                            const int32_t *context_lens, int64_t num_blocks, int64_t block_size, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, float scale, void *out, int64_t r_begin,
+                            int64_t r_end, int bf16) {
+    enum { MAX_GROUP_DIM = 4096 };
+    if (head_dim < 1 || head_dim > 1024 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > 256 ||
+        heads / kv_heads * head_dim > MAX_GROUP_DIM)
+        return -1;
+    int64_t group = heads / kv_heads, row = kv_heads * head_dim, max_len = 0;
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int64_t len = context_lens[r], q_len = (int64_t)cu_seqlens_q[r + 1] - cu_seqlens_q[r];
+        if (len < 0 || len > max_blocks * block_size || q_len < 0 || q_len > len || cu_seqlens_q[r] < 0) return -1;
+        for (int64_t t = 0; t < len; t += block_size) {
+            int32_t b = block_tables[r * max_blocks + t / block_size];
+            if (b < 0 || b >= num_blocks) return -1;
+        }
+        max_len = len > max_len ? len : max_len;
+    }
+    float *scores = max_len ? malloc((size_t)(group * max_len) * sizeof(float)) : NULL;
+    if (max_len && !scores) return -2;
+    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM];
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int64_t len = context_lens[r], first = cu_seqlens_q[r], q_len = (int64_t)cu_seqlens_q[r + 1] - first;
+        const int32_t *table = block_tables + r * max_blocks;
+        for (int64_t i = 0; i < q_len; i++) {
+            int64_t visible = len - q_len + i + 1, token = first + i;
+            for (int64_t g = 0; g < kv_heads; g++) {
+                load_row(q, token * q_stride + g * group * head_dim, qf, group * head_dim, bf16);
+                attend_group(qf, k_cache, v_cache, table, visible, block_size, row, g * head_dim, group, head_dim,
+                             scale, scores, NULL, bf16, acc);
+                store_row(out, (token * heads + g * group) * head_dim, acc, group * head_dim, bf16);
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+int paged_prefill_attention_parts(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                  const int32_t *block_tables, int64_t max_blocks, const int32_t *cu_seqlens_q,
+                                  const int32_t *context_lens, int64_t num_blocks, int64_t block_size, int64_t heads,
+                                  int64_t kv_heads, int64_t head_dim, float scale, void *out, const int64_t *bounds,
+                                  int64_t parts, int bf16) {
+    RUN_PARTS(paged_prefill_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, cu_seqlens_q,
+                                      context_lens, num_blocks, block_size, heads, kv_heads, head_dim, scale, out,
+                                      begin, end, bf16))
 }
 
 /* paged_decode_attention with its requests split over OpenMP threads (c_parts.h) */

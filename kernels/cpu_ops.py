@@ -40,10 +40,14 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr,
                                            i64, i64, i32]  # fmt: skip
+    lib.paged_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32,
+                                            ptr, i64, i64, i32]  # fmt: skip
     lib.int4_llama_decode_token.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64]
-    for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.int4_llama_decode_token):
+    for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.paged_prefill_attention,
+               lib.int4_llama_decode_token):  # fmt: skip
         fn.restype = i32
     declare_parts(lib, "paged_decode_attention", 14)
+    declare_parts(lib, "paged_prefill_attention", 15)
     return lib
 
 
@@ -229,6 +233,64 @@ def paged_decode_attention(
     if rc != 0:
         raise IndexError("paged_decode_attention: a block id or context length outside the cache, or shapes "
                          f"past its buffers (heads {heads}, kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
+    return out
+
+
+# A round's prefill runs here while each request's (query, visible token) pairs stay within this;
+# longer prompts take the torch reference's batched products, faster there (SmolLM2's heads, one
+# thread: 64 prompts of 33 tokens 4.0 against 15.6 ms, one of 256: 1.8 against 2.5 ms, 128 new
+# tokens after 384 cached: 3.9 against 3.2 ms)
+PREFILL_ATTENTION_MAX_PAIRS = 1 << 15
+
+
+def prefill_attention_usable(query: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             context_lens: torch.Tensor, block_tables: torch.Tensor) -> bool:  # fmt: skip
+    if not (
+        decode_attention_usable(query, k_cache, block_tables, context_lens)
+        and cu_seqlens_q.dtype == torch.int32
+        and cu_seqlens_q.is_contiguous()
+        and cu_seqlens_q.shape[0] == context_lens.shape[0] + 1
+    ):
+        return False
+    q_lens, lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long(), context_lens.long()
+    pairs = q_lens * (lens - q_lens) + q_lens * (q_lens + 1) // 2  # causal: token i sees the prefix and i + 1 new
+    return len(pairs) == 0 or int(pairs.max()) <= PREFILL_ATTENTION_MAX_PAIRS
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_reqs + 1] int32
+    context_lens: torch.Tensor,  # [num_reqs] int32, cached prefix + new tokens
+    block_tables: torch.Tensor,  # [num_reqs, max_num_blocks] int32
+    scale: float,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    lib = lib or library()
+    if not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError("paged_prefill_attention: v_cache must be contiguous and shaped like k_cache")
+    num_tokens, heads, head_dim = query.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    num_reqs = context_lens.shape[0]
+    out = torch.zeros(num_tokens, heads, head_dim, dtype=query.dtype)
+    if num_reqs == 0 or num_tokens == 0:
+        return out
+    if int(cu_seqlens_q[-1]) > num_tokens:
+        raise IndexError(f"paged_prefill_attention: query offsets past its {num_tokens} tokens")
+    threads = torch.get_num_threads()
+    parts = min(threads, num_reqs) if threads > 1 else 1
+    bounds = [num_reqs * i // parts for i in range(parts + 1)]
+    args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], cu_seqlens_q.data_ptr(), context_lens.data_ptr(), num_blocks, block_size, heads,
+            kv_heads, head_dim, scale, out.data_ptr())  # fmt: skip
+    rc = run_parts(lib, "paged_prefill_attention", args, (int(query.dtype == torch.bfloat16),),
+                   list(zip(bounds[:-1], bounds[1:])))  # fmt: skip
+    if rc == -2:
+        raise MemoryError("paged_prefill_attention: no memory for the scores")
+    if rc != 0:
+        raise IndexError("paged_prefill_attention: a block id, context length or query offset outside the cache, "
+                         f"or shapes past its buffers (heads {heads}, kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
     return out
 
 

@@ -53,7 +53,12 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
 
 
 def paged_prefill_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
-    fn = paged_prefill_attention_triton if _use_triton(query) else paged_prefill_attention_ref
+    if _use_triton(query):
+        fn = paged_prefill_attention_triton
+    elif cpu_ops.prefill_attention_usable(query, k_cache, cu_seqlens_q, context_lens, block_tables):
+        fn = cpu_ops.paged_prefill_attention
+    else:
+        fn = paged_prefill_attention_ref
     return fn(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 

@@ -14,6 +14,7 @@ from test_int4_decode_kernel import BUILDS, _library
 from moemesh.kernels import cpu_ops, dispatch
 from moemesh.kernels.kv_store import store_kv_cache_ref
 from moemesh.kernels.norm import fused_add_rms_norm_ref
+from moemesh.kernels.paged_attention import paged_prefill_attention_ref
 from moemesh.kernels.rotary import rotary_embedding_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -130,6 +131,81 @@ def test_decode_attention_matches_float64_over_random_block_tables(build, dtype,
     out = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, lib=lib)
     assert out.dtype == dtype and torch.equal(out[2], torch.zeros_like(out[2]))
     assert_close_f64(out, _attention_f64(q, k_cache, v_cache, tables, lens, scale), dtype)
+
+
+def _prefill_f64(q, k_cache, v_cache, cu, tables, lens, scale):
+    heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r, length in enumerate(lens.tolist()):
+        first, q_len = int(cu[r]), int(cu[r + 1] - cu[r])
+        k = gather_positions(k_cache, tables[r], length, block_size)  # [len, kvh, d]
+        v = gather_positions(v_cache, tables[r], length, block_size)
+        for i in range(q_len):
+            visible = length - q_len + i + 1  # the cached prefix, earlier new tokens and itself
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                probs = torch.softmax(k[:visible, g] @ q[first + i, h].double() * scale, dim=0)
+                out[first + i, h] = probs @ v[:visible, g]
+    return out
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 40)])
+def test_prefill_attention_is_causal_over_the_cached_prefix_and_matches_float64(
+    build, dtype, heads, kv_heads, head_dim, monkeypatch
+):
+    """New tokens of each request (after a cached prefix of 0, 20 or 33 tokens; one request with no
+    new tokens) attend to the prefix and to themselves causally; two threads split the requests."""
+    lib = _library(build)
+    gen = torch.Generator().manual_seed(6)
+    q_lens, prefixes = [5, 17, 0, 1], [0, 20, 9, 33]
+    lens = torch.tensor([a + b for a, b in zip(q_lens, prefixes)], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    block_size, num_blocks = 16, 40
+    tables = random_block_tables(lens.tolist(), block_size, 4, num_blocks)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(int(cu[-1]), heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    out = cpu_ops.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, scale, lib=lib)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close_f64(out, _prefill_f64(q, k_cache, v_cache, cu, tables, lens, scale), dtype)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, scale)
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+
+
+def test_prefill_attention_refuses_offsets_and_blocks_outside_the_cache():
+    lib = _library("native")
+    k_cache = torch.randn(4, 16, 3, 64)
+    q = torch.randn(3, 9, 64)
+    good = dict(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32), context_lens=torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(IndexError, match="block id"):
+        cpu_ops.paged_prefill_attention(q, k_cache, k_cache.clone(), good["cu_seqlens_q"], good["context_lens"],
+                                        torch.tensor([[4]], dtype=torch.int32), 0.125, lib=lib)  # fmt: skip
+    with pytest.raises(IndexError, match="query offset"):  # more new tokens than the context holds
+        cpu_ops.paged_prefill_attention(q, k_cache, k_cache.clone(), good["cu_seqlens_q"],
+                                        torch.tensor([2], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
+                                        0.125, lib=lib)  # fmt: skip
+    with pytest.raises(IndexError, match="offsets past"):
+        cpu_ops.paged_prefill_attention(q, k_cache, k_cache.clone(), torch.tensor([0, 4], dtype=torch.int32),
+                                        torch.tensor([4], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
+                                        0.125, lib=lib)  # fmt: skip
+
+
+def test_dispatch_takes_the_c_prefill_for_short_prompts_and_the_reference_for_long(monkeypatch):
+    if cpu_ops.library() is None:
+        pytest.skip("no C compiler here")
+    calls = []
+    real = cpu_ops.paged_prefill_attention
+    monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a))
+    cache = torch.randn(20, 16, 3, 64)
+    tables = torch.arange(1, 17, dtype=torch.int32)[None]  # one request, up to 256 tokens
+    for q_len in (255, 256):  # causal pairs 255 * 256 / 2 = 32640 <= 1 << 15; 256 * 257 / 2 = 32896 > 1 << 15
+        cu, lens = torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([q_len], dtype=torch.int32)
+        dispatch.paged_prefill_attention(torch.randn(q_len, 9, 64), cache, cache.clone(), cu, lens, tables, 0.125)
+    assert calls == [255]
 
 
 def test_decode_attention_splits_requests_over_threads_with_the_same_result(monkeypatch):
