@@ -466,6 +466,37 @@ static void attend_group(const float *qf, const void *k_cache, const void *v_cac
         for (int64_t j = 0; j < D; j++) out[i * D + j] = len ? out[i * D + j] / total[i] : 0.0f;
 }
 
+enum { MAX_GROUP_DIM = 4096 }; /* query heads per kv head x head_dim */
+
+/* The checks both attention ops make before they read anything (shapes within the buffers; each
+ * request's length, block ids and, for a prefill, query offsets within range), and their scratch:
+ * *scores [group, longest context] (NULL when every context is empty; the caller frees it).
+ * Returns 0, -1 for something out of range, -2 without memory. */
+static int attention_scores(int64_t heads, int64_t kv_heads, int64_t head_dim, const int32_t *block_tables,
+                            int64_t max_blocks, const int32_t *context_lens, const int32_t *cu_seqlens_q,
+                            int64_t num_blocks, int64_t block_size, int64_t r_begin, int64_t r_end, float **scores) {
+    *scores = NULL;
+    if (head_dim < 1 || head_dim > 1024 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > 256 ||
+        heads / kv_heads * head_dim > MAX_GROUP_DIM)
+        return -1;
+    int64_t max_len = 0;
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int64_t len = context_lens[r];
+        if (len < 0 || len > max_blocks * block_size) return -1;
+        if (cu_seqlens_q) {
+            int64_t q_len = (int64_t)cu_seqlens_q[r + 1] - cu_seqlens_q[r];
+            if (q_len < 0 || q_len > len || cu_seqlens_q[r] < 0) return -1;
+        }
+        for (int64_t t = 0; t < len; t += block_size) {
+            int32_t b = block_tables[r * max_blocks + t / block_size];
+            if (b < 0 || b >= num_blocks) return -1;
+        }
+        max_len = len > max_len ? len : max_len;
+    }
+    if (max_len && !(*scores = malloc((size_t)(heads / kv_heads * max_len) * sizeof(float)))) return -2;
+    return 0;
+}
+
 /* Decode attention over the paged KV cache, one query token per request (kernels/paged_attention.py's
  * layout): out[r, h] = softmax(scale * q[r, h] . K[r, :len, h / group]) @ V[r, :len, h / group],
  * requests [r_begin, r_end). q [R, H, D] (request stride q_stride, heads dense); caches
@@ -480,22 +511,11 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const int32_t *block_tables, int64_t max_blocks, const int32_t *context_lens,
                            int64_t num_blocks, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            float scale, void *out, int64_t r_begin, int64_t r_end, int bf16) {
-    enum { MAX_GROUP_DIM = 4096 }; /* query heads per kv head x head_dim */
-    if (head_dim < 1 || head_dim > 1024 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > 256 ||
-        heads / kv_heads * head_dim > MAX_GROUP_DIM)
-        return -1;
-    int64_t group = heads / kv_heads, row = kv_heads * head_dim, max_len = 0;
-    for (int64_t r = r_begin; r < r_end; r++) { /* every index checked before anything is read */
-        int64_t len = context_lens[r];
-        if (len < 0 || len > max_blocks * block_size) return -1;
-        for (int64_t t = 0; t < len; t += block_size) {
-            int32_t b = block_tables[r * max_blocks + t / block_size];
-            if (b < 0 || b >= num_blocks) return -1;
-        }
-        max_len = len > max_len ? len : max_len;
-    }
-    float *scores = max_len ? malloc((size_t)(group * max_len) * sizeof(float)) : NULL;
-    if (max_len && !scores) return -2;
+    float *scores;
+    int rc = attention_scores(heads, kv_heads, head_dim, block_tables, max_blocks, context_lens, NULL, num_blocks,
+                              block_size, r_begin, r_end, &scores);
+    if (rc) return rc;
+    int64_t group = heads / kv_heads, row = kv_heads * head_dim;
     float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM]; /* a group's queries, its weighted sums */
     for (int64_t r = r_begin; r < r_end; r++) {
         int64_t len = context_lens[r];
@@ -529,23 +549,12 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             const int32_t *context_lens, int64_t num_blocks, int64_t block_size, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, float scale, void *out, int64_t r_begin,
                             int64_t r_end, int bf16) {
-    enum { MAX_GROUP_DIM = 4096 };
-    if (head_dim < 1 || head_dim > 1024 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > 256 ||
-        heads / kv_heads * head_dim > MAX_GROUP_DIM)
-        return -1;
-    int64_t group = heads / kv_heads, row = kv_heads * head_dim, max_len = 0;
-    for (int64_t r = r_begin; r < r_end; r++) {
-        int64_t len = context_lens[r], q_len = (int64_t)cu_seqlens_q[r + 1] - cu_seqlens_q[r];
-        if (len < 0 || len > max_blocks * block_size || q_len < 0 || q_len > len || cu_seqlens_q[r] < 0) return -1;
-        for (int64_t t = 0; t < len; t += block_size) {
-            int32_t b = block_tables[r * max_blocks + t / block_size];
-            if (b < 0 || b >= num_blocks) return -1;
-        }
-        max_len = len > max_len ? len : max_len;
-    }
-    float *scores = max_len ? malloc((size_t)(group * max_len) * sizeof(float)) : NULL;
-    if (max_len && !scores) return -2;
-    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM];
+    float *scores;
+    int rc = attention_scores(heads, kv_heads, head_dim, block_tables, max_blocks, context_lens, cu_seqlens_q,
+                              num_blocks, block_size, r_begin, r_end, &scores);
+    if (rc) return rc;
+    int64_t group = heads / kv_heads, row = kv_heads * head_dim;
+    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM]; /* a group's queries, its weighted sums */
     for (int64_t r = r_begin; r < r_end; r++) {
         int64_t len = context_lens[r], first = cu_seqlens_q[r], q_len = (int64_t)cu_seqlens_q[r + 1] - first;
         const int32_t *table = block_tables + r * max_blocks;

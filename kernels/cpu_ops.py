@@ -212,28 +212,38 @@ def paged_decode_attention(
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     lib = lib or library()
-    if not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError("paged_decode_attention: v_cache must be contiguous and shaped like k_cache")
+    _check_v_cache("paged_decode_attention", k_cache, v_cache)
     num_reqs, heads, head_dim = query.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty(num_reqs, heads, head_dim, dtype=query.dtype)
     if num_reqs == 0:
         return out
-    threads = torch.get_num_threads()
     work = heads * block_tables.shape[1] * block_size * num_reqs  # an upper bound on the scores
-    parts = min(threads, num_reqs) if work >= PARALLEL_MIN_SCORES and threads > 1 else 1
-    bounds = [num_reqs * i // parts for i in range(parts + 1)]
     args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], context_lens.data_ptr(), num_blocks, block_size, heads, kv_heads, head_dim,
             scale, out.data_ptr())  # fmt: skip
-    rc = run_parts(lib, "paged_decode_attention", args, (int(query.dtype == torch.bfloat16),),
-                   list(zip(bounds[:-1], bounds[1:])))  # fmt: skip
-    if rc == -2:
-        raise MemoryError("paged_decode_attention: no memory for the scores")
-    if rc != 0:
-        raise IndexError("paged_decode_attention: a block id or context length outside the cache, or shapes "
-                         f"past its buffers (heads {heads}, kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
+    _run_requests(lib, "paged_decode_attention", args, query, num_reqs, work >= PARALLEL_MIN_SCORES, "")
     return out
+
+
+def _check_v_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: v_cache must be contiguous and shaped like k_cache")
+
+
+def _run_requests(lib, name: str, args: tuple, query: torch.Tensor, num_reqs: int, split: bool, what: str) -> None:
+    """An attention op over its requests, split over torch's threads where `split`; its refusals
+    raised (`what`: what else it checks)."""
+    threads = torch.get_num_threads()
+    parts = min(threads, num_reqs) if split and threads > 1 else 1
+    bounds = [num_reqs * i // parts for i in range(parts + 1)]
+    rc = run_parts(lib, name, args, (int(query.dtype == torch.bfloat16),), list(zip(bounds[:-1], bounds[1:])))
+    if rc == -2:
+        raise MemoryError(f"{name}: no memory for the scores")
+    if rc != 0:
+        heads, head_dim = query.shape[1:]
+        raise IndexError(f"{name}: a block id{what} or context length outside the cache, or shapes past its "
+                         f"buffers (heads {heads}, head_dim {head_dim})")  # fmt: skip
 
 
 # A round's prefill runs here while each request's (query, visible token) pairs stay within this;
@@ -268,8 +278,7 @@ def paged_prefill_attention(
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     lib = lib or library()
-    if not v_cache.is_contiguous() or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError("paged_prefill_attention: v_cache must be contiguous and shaped like k_cache")
+    _check_v_cache("paged_prefill_attention", k_cache, v_cache)
     num_tokens, heads, head_dim = query.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     num_reqs = context_lens.shape[0]
@@ -278,19 +287,10 @@ def paged_prefill_attention(
         return out
     if int(cu_seqlens_q[-1]) > num_tokens:
         raise IndexError(f"paged_prefill_attention: query offsets past its {num_tokens} tokens")
-    threads = torch.get_num_threads()
-    parts = min(threads, num_reqs) if threads > 1 else 1
-    bounds = [num_reqs * i // parts for i in range(parts + 1)]
     args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], cu_seqlens_q.data_ptr(), context_lens.data_ptr(), num_blocks, block_size, heads,
             kv_heads, head_dim, scale, out.data_ptr())  # fmt: skip
-    rc = run_parts(lib, "paged_prefill_attention", args, (int(query.dtype == torch.bfloat16),),
-                   list(zip(bounds[:-1], bounds[1:])))  # fmt: skip
-    if rc == -2:
-        raise MemoryError("paged_prefill_attention: no memory for the scores")
-    if rc != 0:
-        raise IndexError("paged_prefill_attention: a block id, context length or query offset outside the cache, "
-                         f"or shapes past its buffers (heads {heads}, kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
+    _run_requests(lib, "paged_prefill_attention", args, query, num_reqs, True, ", a query offset")
     return out
 
 

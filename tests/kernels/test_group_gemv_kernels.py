@@ -115,14 +115,18 @@ def test_a_missing_compiler_or_an_unwritable_cache_gives_none_and_a_log_line(mon
         gg.build.cache_clear()
 
 
+def _large_int8_product(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, 576], Q8_0-like codes [2048, 576] and float16 scales: a weight large enough to split."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (2048, 576), dtype=torch.int8, generator=gen)
+    return torch.randn(rows, 576, generator=gen), codes, torch.rand(2048, 18, generator=gen).half()
+
+
 def test_large_weights_split_their_rows_over_torchs_threads_with_the_same_result(monkeypatch):
     lib = _library("native")
     assert gg._row_ranges(2048, 2048 * 576, 3) == [(0, 682), (682, 1365), (1365, 2048)]
     assert gg._row_ranges(2048, 1000, 3) == [(0, 2048)]  # small: one thread
-    gen = torch.Generator().manual_seed(3)
-    codes = torch.randint(-128, 128, (2048, 576), dtype=torch.int8, generator=gen)
-    scale = torch.rand(2048, 18, generator=gen).half()
-    x = torch.randn(3, 576, generator=gen)
+    x, codes, scale = _large_int8_product(3, 3)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     one = gg.group_gemv(x, codes, scale, lib=lib)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
@@ -136,10 +140,7 @@ def test_parts_run_on_torchs_openmp_runtime_and_serially_where_the_compiler_has_
     lib = _library("native")
     gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
     assert len(gomp) <= 1, gomp
-    gen = torch.Generator().manual_seed(4)
-    codes = torch.randint(-128, 128, (2048, 576), dtype=torch.int8, generator=gen)
-    scale = torch.rand(2048, 18, generator=gen).half()
-    x = torch.randn(2, 576, generator=gen)
+    x, codes, scale = _large_int8_product(4, 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     threaded = gg.group_gemv(x, codes, scale, lib=lib)
     monkeypatch.setattr(c_library, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))
