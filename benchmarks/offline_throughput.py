@@ -180,7 +180,9 @@ def main() -> None:
             sizes.append([f"HF {dtype}", mb(weight_bytes(hf_models[dtype])),
                           f"{weight_bytes(hf_models[dtype]) / file_bytes:.2f}x"])  # fmt: skip
         hf = hf_models[dtype]
-        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_seqs=max(counts), show_progress=False)
+        # no prefix caching: the warm-up's and an earlier repeat's prompts would skip prefill work HF does
+        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_seqs=max(counts), show_progress=False,
+                  enable_prefix_caching=False)  # fmt: skip
         sizes.append([f"moemesh {engine}", mb(weight_bytes(llm.engine.model)),
                       f"{weight_bytes(llm.engine.model) / file_bytes:.2f}x"])  # fmt: skip
         for num in counts:
