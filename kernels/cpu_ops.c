@@ -129,6 +129,14 @@ static inline float GV_HSUM(__m256 v) {
 #endif
 #endif
 
+#ifdef GV_LANES
+/* the horizontal sums of four vectors: lane i of the result is vector i's (each folded to 4 lanes,
+ * then two rounds of pairwise adds) */
+static inline __m128 gv_sums4(GV a, GV b, GV c, GV d) {
+    return _mm_hadd_ps(_mm_hadd_ps(GV_FOLD4(a), GV_FOLD4(b)), _mm_hadd_ps(GV_FOLD4(c), GV_FOLD4(d)));
+}
+#endif
+
 #define ACC 16 /* independent partial sums: the compiler vectorizes them without reassociating */
 
 /* the partial sums added pairwise (4 dependent adds, not 16) */
@@ -339,11 +347,8 @@ static inline __attribute__((always_inline)) void group_scores_vector(const floa
                     a2 = GV_FMA(qv, GV_LOAD(k[2] + c), a2);
                     a3 = GV_FMA(qv, GV_LOAD(k[3] + c), a3);
                 }
-                /* four horizontal sums at once: each vector folded to 4 lanes, then two rounds of hadd */
-                __m128 sums = _mm_hadd_ps(_mm_hadd_ps(GV_FOLD4(a0), GV_FOLD4(a1)),
-                                          _mm_hadd_ps(GV_FOLD4(a2), GV_FOLD4(a3)));
                 float four[4];
-                _mm_storeu_ps(four, _mm_mul_ps(sums, scale4));
+                _mm_storeu_ps(four, _mm_mul_ps(gv_sums4(a0, a1, a2, a3), scale4));
                 for (int64_t u = 0; u < m; u++) scores[i * len + t0 + j + u] = four[u];
             }
         }
