@@ -793,15 +793,25 @@ static void gemv_run(const Gemv *g, int64_t begin, int64_t end) {
         nibble_gemv(g->codes, g->sz, g->mins, g->half, g->k, g->group, g->x, g->xsum, g->y, begin, end);
 }
 
-/* A second thread for the GEMVs of one int4_llama_decode_token call: it spins on `posted`, runs the
- * upper half of the row blocks of each posted GEMV and publishes `done`; the caller runs the lower
- * half meanwhile. Started and joined once per call (tens of microseconds against milliseconds). */
+/* A second thread for the GEMVs of one int4_llama_decode_token call: it spins on `posted`, claims
+ * the upper half of the row blocks of each posted GEMV (`taken`), runs it and publishes `done`; the
+ * caller runs the lower half meanwhile, then claims the upper half itself if the helper has not
+ * (a vCPU descheduled by the host must not hold up the token), else waits for `done`. Either way
+ * the rows are summed alike. Started and joined once per call (tens of microseconds against
+ * milliseconds). */
 typedef struct {
     Gemv job;
     int64_t begin, end;
-    atomic_long posted, done;
+    atomic_long posted, taken, done;
     atomic_int stop;
 } GemvHelper;
+
+/* job number `job` claimed by the calling thread (once: the helper or the caller) */
+static inline int claim(GemvHelper *h, long job) {
+    long expected = job - 1;
+    return atomic_compare_exchange_strong_explicit(&h->taken, &expected, job, memory_order_acq_rel,
+                                                   memory_order_acquire);
+}
 
 static inline void spin_pause(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -818,9 +828,11 @@ static void *gemv_helper_main(void *arg) {
             if (atomic_load_explicit(&h->stop, memory_order_acquire)) return NULL;
             spin_pause();
         }
-        gemv_run(&h->job, h->begin, h->end);
         seen = posted;
-        atomic_store_explicit(&h->done, posted, memory_order_release);
+        if (claim(h, posted)) {
+            gemv_run(&h->job, h->begin, h->end);
+            atomic_store_explicit(&h->done, posted, memory_order_release);
+        }
     }
 }
 
@@ -845,7 +857,10 @@ static void gemv_rows(GemvHelper *h, const Int4Dims *d, const uint8_t *codes, co
     long job = atomic_load_explicit(&h->posted, memory_order_relaxed) + 1;
     atomic_store_explicit(&h->posted, job, memory_order_release);
     gemv_run(&g, 0, mid);
-    while (atomic_load_explicit(&h->done, memory_order_acquire) != job) spin_pause();
+    if (claim(h, job))
+        gemv_run(&g, mid, n);
+    else
+        while (atomic_load_explicit(&h->done, memory_order_acquire) != job) spin_pause();
 }
 
 /* s = round(x + residual) into residual (or residual = x for the first layer), out = RMSNorm(s);
@@ -936,6 +951,7 @@ int int4_llama_decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t 
     GemvHelper helper;
     memset(&helper, 0, sizeof helper);
     atomic_init(&helper.posted, 0);
+    atomic_init(&helper.taken, 0);
     atomic_init(&helper.done, 0);
     atomic_init(&helper.stop, 0);
     pthread_t thread;
