@@ -1,5 +1,6 @@
 """The decoder's small per-token operations on the CPU in C (cpu_ops.c): fused add + RMSNorm,
-NeoX rotary embedding, the KV-cache store and decode attention, one ctypes call each.
+NeoX rotary embedding, the KV-cache store, decode attention and the prefill attention of short
+prompts, one ctypes call each.
 
 kernels/dispatch.py calls these for CPU tensors of float32 or bfloat16 whose layout they read
 (rows contiguous in their last dimension) when the library is built, and the torch references
@@ -8,7 +9,7 @@ one decode token per round they replace ~30 torch ops per layer (SmolLM2, one re
 37 -> 19 us, rotary 51 -> 20 us, KV store 26 -> 13 us, measured inside the model; most of what is
 left is the Python around each call). Decode attention over a few dozen cached tokens costs what
 PyTorch's fused SDPA spends on set-up alone (~60 us); a round of many requests splits them over
-torch's threads (ctypes releases the GIL).
+torch's own OpenMP threads (the `*_parts` entry points, c_parts.h).
 """
 
 from __future__ import annotations
