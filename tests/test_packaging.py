@@ -1,5 +1,7 @@
-"""Every package folder is listed in pyproject's explicit `packages` (a wheel would miss it)."""
+"""Packaging: every package folder is listed in pyproject's explicit `packages`, and the files read at run
+time ship as package data (a wheel would miss them otherwise)."""
 
+import fnmatch
 import pathlib
 import tomllib
 
@@ -15,3 +17,17 @@ def test_every_package_folder_is_listed_in_pyproject():
             relative = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((name, *relative)) if relative else name)
     assert found - listed == set(), "add these to [tool.setuptools] packages"
+
+
+def test_c_sources_and_headers_ship_as_package_data():
+    """The C kernels are compiled where they run (kernels/c_library.py), from the installed files: a
+    source or header missing from a wheel (a Docker image's `pip install .`) leaves the torch paths."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = config["package-data"]
+    for name, folder in config["package-dir"].items():
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in (".c", ".h") or "__pycache__" in path.parts:
+                continue
+            package = ".".join((name, *path.parent.relative_to(ROOT / folder).parts))
+            globs = data.get(package, [])
+            assert any(fnmatch.fnmatch(path.name, g) for g in globs), f"{path.name}: add it to {package}'s package-data"
