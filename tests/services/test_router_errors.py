@@ -29,7 +29,7 @@ from moemesh.router.frontend import ChoiceDelta
 from moemesh.router.grpc_api import GenerateServicer
 from moemesh.router.http_api import build_app
 from moemesh.router.http_guard import GuardSettings
-from moemesh.router.main import build_frontend
+from moemesh.router.main import HTTP_KEEP_ALIVE_S, build_frontend, http_server_config
 from moemesh.router.settings import RouterSettings
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -278,11 +278,26 @@ def test_a_bug_in_a_route_is_an_openai_500_and_the_connection_stays_open(redis_s
         connection.close()
 
 
+def test_an_idle_kept_alive_connection_outlives_the_clients_idle_expiry(redis_server):
+    """httpx (and the openai client) drop idle connections after 5 s; the router keeps them longer,
+    so a request sent on a connection idle for just over 5 s is answered, not reset."""
+    frontend, pool = make_frontend(redis_server)
+    assert HTTP_KEEP_ALIVE_S > 60
+    with serve_http(build_app(frontend, lambda: len(pool.live(("decode", "both"))))) as port:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for idle in (0.0, 6.0):  # uvicorn's own default would have closed it at 5 s
+            time.sleep(idle)
+            connection.request("GET", "/v1/models")
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["data"][0]["id"] == MODEL
+        connection.close()
+
+
 @contextlib.contextmanager
 def serve_http(app):
-    """`app` on a real uvicorn server on a free loopback port, in a thread."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
+    """`app` on a real uvicorn server configured as the router's (main.http_server_config) on a
+    free loopback port, in a thread."""
+    server = uvicorn.Server(http_server_config(app, RouterSettings(host="127.0.0.1", http_port=0)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
