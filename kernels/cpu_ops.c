@@ -502,6 +502,21 @@ static int attention_scores(int64_t heads, int64_t kv_heads, int64_t head_dim, c
     return 0;
 }
 
+/* One query token's heads (q's row from element q_at) over the first `len` tokens of `table`, into
+ * out's row from element out_at: each kv head's group of query heads by attend_group */
+static void attend_token(const void *q, int64_t q_at, void *out, int64_t out_at, const void *k_cache,
+                         const void *v_cache, const int32_t *table, int64_t len, int64_t block_size, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, float scale, float *scores, Prefetcher *pf, int bf16) {
+    int64_t group = heads / kv_heads, width = group * head_dim;
+    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM]; /* a group's queries, its weighted sums */
+    for (int64_t g = 0; g < kv_heads; g++) {
+        load_row(q, q_at + g * width, qf, width, bf16);
+        attend_group(qf, k_cache, v_cache, table, len, block_size, kv_heads * head_dim, g * head_dim, group, head_dim,
+                     scale, scores, pf, bf16, acc);
+        store_row(out, out_at + g * width, acc, width, bf16);
+    }
+}
+
 /* Decode attention over the paged KV cache, one query token per request (kernels/paged_attention.py's
  * layout): out[r, h] = softmax(scale * q[r, h] . K[r, :len, h / group]) @ V[r, :len, h / group],
  * requests [r_begin, r_end). q [R, H, D] (request stride q_stride, heads dense); caches
@@ -520,8 +535,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     int rc = attention_scores(heads, kv_heads, head_dim, block_tables, max_blocks, context_lens, NULL, num_blocks,
                               block_size, r_begin, r_end, &scores);
     if (rc) return rc;
-    int64_t group = heads / kv_heads, row = kv_heads * head_dim;
-    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM]; /* a group's queries, its weighted sums */
+    int64_t row = kv_heads * head_dim;
     for (int64_t r = r_begin; r < r_end; r++) {
         int64_t len = context_lens[r];
         const int32_t *table = block_tables + r * max_blocks;
@@ -531,12 +545,8 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                              block_size, row * (bf16 ? 2 : 4), kv_heads * ((len + 3) / 4 + len));
             pf = &next;
         }
-        for (int64_t g = 0; g < kv_heads; g++) {
-            load_row(q, r * q_stride + g * group * head_dim, qf, group * head_dim, bf16);
-            attend_group(qf, k_cache, v_cache, table, len, block_size, row, g * head_dim, group, head_dim, scale,
-                         scores, pf, bf16, acc);
-            store_row(out, (r * heads + g * group) * head_dim, acc, group * head_dim, bf16);
-        }
+        attend_token(q, r * q_stride, out, r * heads * head_dim, k_cache, v_cache, table, len, block_size, heads,
+                     kv_heads, head_dim, scale, scores, pf, bf16);
     }
     free(scores);
     return 0;
@@ -558,19 +568,13 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     int rc = attention_scores(heads, kv_heads, head_dim, block_tables, max_blocks, context_lens, cu_seqlens_q,
                               num_blocks, block_size, r_begin, r_end, &scores);
     if (rc) return rc;
-    int64_t group = heads / kv_heads, row = kv_heads * head_dim;
-    float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM]; /* a group's queries, its weighted sums */
     for (int64_t r = r_begin; r < r_end; r++) {
         int64_t len = context_lens[r], first = cu_seqlens_q[r], q_len = (int64_t)cu_seqlens_q[r + 1] - first;
-        const int32_t *table = block_tables + r * max_blocks;
-        for (int64_t i = 0; i < q_len; i++) {
-            int64_t visible = len - q_len + i + 1, token = first + i;
-            for (int64_t g = 0; g < kv_heads; g++) {
-                load_row(q, token * q_stride + g * group * head_dim, qf, group * head_dim, bf16);
-                attend_group(qf, k_cache, v_cache, table, visible, block_size, row, g * head_dim, group, head_dim,
-                             scale, scores, NULL, bf16, acc);
-                store_row(out, (token * heads + g * group) * head_dim, acc, group * head_dim, bf16);
-            }
+        for (int64_t i = 0; i < q_len; i++) { /* token first + i sees the prefix and new tokens 0 .. i */
+            int64_t token = first + i;
+            attend_token(q, token * q_stride, out, token * heads * head_dim, k_cache, v_cache,
+                         block_tables + r * max_blocks, len - q_len + i + 1, block_size, heads, kv_heads, head_dim,
+                         scale, scores, NULL, bf16);
         }
     }
     free(scores);
