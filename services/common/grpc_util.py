@@ -72,26 +72,44 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-class StartupGate(grpc.aio.ServerInterceptor):
-    """Until `open()`, every call but the health service's is refused with UNAVAILABLE. A worker's
-    server listens while its engine loads and, with remote experts, while it waits for a placement
-    and installs the executor; a caller that tries it then (a decode worker reaching a restarted
-    prefill worker at its old address) is told to go elsewhere instead of running a request the
-    worker cannot run yet. Opened once by the owner when it turns SERVING; never closed again
-    (draining is the health status's job, in-flight follow-up calls must still pass)."""
+class AdmissionGate(grpc.aio.ServerInterceptor):
+    """Which calls a worker's server lets through as it starts, serves and drains.
 
-    def __init__(self, owner: str):
+    Starting (until `open()`): every call but the health service's is refused with UNAVAILABLE. A
+    worker's server listens while its engine loads and, with remote experts, while it waits for a
+    placement and installs the executor; a caller that tries it then (a decode worker reaching a
+    restarted prefill worker at its old address) is told to go elsewhere instead of running a
+    request the worker cannot run yet.
+    Draining (after `drain()`): the calls that start new work (`new_work_methods`, full method
+    names) are refused with UNAVAILABLE, so a router whose view still lists the worker retries
+    elsewhere; the rest (Abort, GetLoad, health) still pass, and calls in flight go on."""
+
+    def __init__(self, owner: str, new_work_methods: tuple[str, ...] = ()):
         self._owner = owner
+        self._new_work_methods = frozenset(new_work_methods)
         self.is_open = False
+        self.is_draining = False
 
     def open(self) -> None:
         self.is_open = True
 
+    def drain(self) -> None:
+        self.is_draining = True
+
+    def _refusal(self, method: str) -> str | None:
+        if method.startswith("/grpc.health.v1.Health/"):
+            return None
+        if not self.is_open:
+            return f"{self._owner} is starting (not serving yet)"
+        if self.is_draining and method in self._new_work_methods:
+            return f"{self._owner} is draining (shutting down; send new requests elsewhere)"
+        return None
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if self.is_open or handler is None or handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+        message = self._refusal(handler_call_details.method)
+        if handler is None or message is None:
             return handler
-        message = f"{self._owner} is starting (not serving yet)"
 
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)

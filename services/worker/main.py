@@ -2,10 +2,11 @@
 registry heartbeats and prefix-index events.
 
 Start-up: the gRPC server starts at once with health NOT_SERVING and refuses the worker's own
-calls with UNAVAILABLE (`StartupGate`); the engine loads in its own thread (with remote experts,
+calls with UNAVAILABLE (`AdmissionGate`); the engine loads in its own thread (with remote experts,
 the executor is installed once a placement is active); then the worker resyncs its (empty)
 prefix-index entry, opens the gate, heartbeats into the registry and turns SERVING. Shutdown
-(SIGTERM / SIGINT): NOT_SERVING, leave the registry and the index (so routers stop choosing it),
+(SIGTERM / SIGINT): refuse new Generate / Prefill calls (UNAVAILABLE: a router whose view still
+lists this worker retries elsewhere), NOT_SERVING, leave the registry and the index (so routers stop choosing it),
 stop the server with a grace period (in-flight requests finish or are cancelled, which aborts
 them and frees their blocks), stop the engine.
 """
@@ -19,7 +20,7 @@ import redis
 from prometheus_client import start_http_server
 
 from moemesh.common import redis_client, registry, telemetry
-from moemesh.common.grpc_util import ChannelPool, HealthReporter, StartupGate, create_server
+from moemesh.common.grpc_util import AdmissionGate, ChannelPool, HealthReporter, create_server
 from moemesh.common.lifecycle import serve_until_signalled
 from moemesh.common.metrics import WorkerMetrics
 from moemesh.common.model_source import default_model_path
@@ -90,14 +91,16 @@ class Worker:
         )
         model_name = served_model_name(s.served_model_name, s.engine.model or default_model_path())
         self.metrics = WorkerMetrics(model_name, s.worker_id, lambda: self.engine.stats)
-        names = []
+        names, new_work = [], []
         if s.role in ("decode", "both"):
             names.append(decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
+            new_work.append(f"/{names[-1]}/Generate")
         if s.role in ("prefill", "both"):
             names.append(prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name)
+            new_work.append(f"/{names[-1]}/Prefill")
         self.health = HealthReporter(names)
-        gate = StartupGate(f"worker {s.worker_id}")
-        server, port = create_server(s.host, s.grpc_port, self.health, (gate,))
+        self.gate = AdmissionGate(f"worker {s.worker_id}", tuple(new_work))
+        server, port = create_server(s.host, s.grpc_port, self.health, (self.gate,))
         self._add_servicers(server)
         await self.health.set_serving(False)
         await server.start()
@@ -122,7 +125,7 @@ class Worker:
             self._tasks = [asyncio.create_task(self.publisher.run()), asyncio.create_task(self._heartbeats()),
                            asyncio.create_task(self.experts.watch())]  # fmt: skip
             await self.publisher.flush()
-            gate.open()  # before the heartbeat: routers may pick it from then on
+            self.gate.open()  # before the heartbeat: routers may pick it from then on
             await self._heartbeat_once()
             await self.health.set_serving(True)
             logger.info("worker %s serving on %s", s.worker_id, s.endpoint)
@@ -193,6 +196,7 @@ class Worker:
     async def _shutdown(self, server, metrics_server) -> None:
         s = self.settings
         logger.info("worker %s stopping", s.worker_id)
+        self.gate.drain()  # first: until it leaves the registry, routers may still pick it
         await self.health.set_serving(False)
         for task in self._tasks:
             task.cancel()

@@ -224,6 +224,9 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_and_new_requests_go_e
         signalled = time.monotonic()
         wait_until(lambda: victim.name not in [w.worker_id for w in registry.list_workers(redis_client, MESH)],
                    message=f"{victim.name} deregistered")  # fmt: skip
+        with pytest.raises(grpc.RpcError) as refused:  # a router with a stale view is told to go elsewhere
+            generate_on(victim, prompt, "drain-new")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         served = []
 
         def served_elsewhere() -> bool:  # until the router's view holds decode-late (refreshed every 0.5 s)

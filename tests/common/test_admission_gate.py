@@ -1,5 +1,6 @@
-"""StartupGate: a worker's server answers health checks while it starts, refuses its own calls
-(unary and streaming) with UNAVAILABLE, and passes them once opened."""
+"""AdmissionGate: a worker's server answers health checks while it starts, refuses its own calls
+(unary and streaming) with UNAVAILABLE, passes them once opened, and once draining refuses only
+the calls that start new work."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moemesh.common.grpc_util import HealthReporter, StartupGate, create_server
+from moemesh.common.grpc_util import AdmissionGate, HealthReporter, create_server
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, telemetry_pb2
 
 
@@ -22,7 +23,8 @@ class Answering(decode_pb2_grpc.DecodeWorkerServicer):
 
 def test_calls_are_refused_with_unavailable_until_the_gate_opens():
     async def scenario():
-        health, gate = HealthReporter([]), StartupGate("worker w")
+        health = HealthReporter([])
+        gate = AdmissionGate("worker w", ("/moemesh.v1.DecodeWorker/Generate",))
         server, port = create_server("127.0.0.1", 0, health, (gate,))
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(Answering(), server)
         await server.start()
@@ -33,7 +35,7 @@ def test_calls_are_refused_with_unavailable_until_the_gate_opens():
                 await health.set_serving(False)
                 check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                 outcomes.append(health_pb2.HealthCheckResponse.ServingStatus.Name(check.status))
-                for _ in range(2):  # closed, then open
+                for step in (gate.open, gate.drain, None):  # starting, open, draining
                     try:
                         outcomes.append((await stub.GetLoad(telemetry_pb2.LoadRequest())).num_running)
                     except grpc.aio.AioRpcError as e:
@@ -43,10 +45,12 @@ def test_calls_are_refused_with_unavailable_until_the_gate_opens():
                         outcomes.append((await stream.read()).worker_id)
                     except grpc.aio.AioRpcError as e:
                         outcomes.append((e.code(), e.details()))
-                    gate.open()
+                    if step is not None:
+                        step()
         finally:
             await server.stop(None)
         return outcomes
 
-    refused = (grpc.StatusCode.UNAVAILABLE, "worker w is starting (not serving yet)")
-    assert asyncio.run(scenario()) == ["NOT_SERVING", refused, refused, 3, "r"]
+    starting = (grpc.StatusCode.UNAVAILABLE, "worker w is starting (not serving yet)")
+    draining = (grpc.StatusCode.UNAVAILABLE, "worker w is draining (shutting down; send new requests elsewhere)")
+    assert asyncio.run(scenario()) == ["NOT_SERVING", starting, starting, 3, "r", 3, draining]
