@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "c_parts.h"
+#include "nibble_blocks.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -608,19 +609,20 @@ int paged_decode_attention_parts(const void *q, int64_t q_stride, const void *k_
  * path's tensors are (every op's output; nothing to round in float32), with float32 sums.
  * Projections are either PyTorch's CPU int4pack layout with bfloat16 activations
  * (kernels/group_gemv.py int4pack_dequantize's reading, block_n rows per block, w = (q - 8) *
- * scale + zero) or GGUF's nibbles with float16 / float32 scales and mins with float32 activations
- * (the C GEMV's layout, w = scale * q + min). Their sums run in another order than the eager
+ * scale + zero) or, with float32 activations, GGUF's codes with float16 / float32 scales and mins
+ * (w = scale * q + min) in GGUF's nibble order (the C GEMV's layout) or in row blocks
+ * (nibble_blocks.h: ATen's int4pack order, scales [G, N]). Their sums run in another order than the eager
  * kernels', so outputs agree with the eager path to rounding, not bit for bit. */
 
 typedef struct {
     const void *input_norm, *post_norm;               /* [hidden] in the activation dtype */
-    const uint8_t *qkv, *o, *gate_up, *down;          /* 4-bit codes [N, K / 2] (int4pack or GGUF nibbles) */
-    const void *qkv_sz, *o_sz, *gate_up_sz, *down_sz; /* int4pack: [K / group, N, 2] bf16; nibbles: scales [N, G] */
-    const void *qkv_min, *o_min, *gate_up_min, *down_min; /* nibbles: mins like the scales, or NULL */
+    const uint8_t *qkv, *o, *gate_up, *down;          /* 4-bit codes [N, K / 2] (int4pack, nibbles or blocks) */
+    const void *qkv_sz, *o_sz, *gate_up_sz, *down_sz; /* int4pack: [G, N, 2] bf16; nibbles: scales [N, G]; blocks: [G, N] */
+    const void *qkv_min, *o_min, *gate_up_min, *down_min; /* nibbles, blocks: mins like the scales, or NULL */
     void *k_cache, *v_cache;                          /* [num_blocks, block_size, kv_heads, head_dim] */
 } Int4Layer;
 
-enum { FORMAT_INT4PACK = 0, FORMAT_NIBBLES = 1 };
+enum { FORMAT_INT4PACK = 0, FORMAT_NIBBLES = 1, FORMAT_BLOCKS = 2 };
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, group, block_n;
@@ -793,6 +795,9 @@ typedef struct {
 static void gemv_run(const Gemv *g, int64_t begin, int64_t end) {
     if (g->format == FORMAT_INT4PACK)
         int4pack_gemv(g->codes, g->sz, g->n, g->k, g->group, g->block_n, g->x, g->y, begin, end);
+    else if (g->format == FORMAT_BLOCKS) /* shapes checked by decode_token */
+        nb_gemv(g->codes, g->sz, g->mins, g->half, g->x, g->xsum, g->y, 1, g->n, g->k, g->group, g->block_n, begin,
+                end);
     else
         nibble_gemv(g->codes, g->sz, g->mins, g->half, g->k, g->group, g->x, g->xsum, g->y, begin, end);
 }
@@ -846,13 +851,13 @@ static void gemv_rows(GemvHelper *h, const Int4Dims *d, const uint8_t *codes, co
                       int64_t n, int64_t k, const float *x, float *y) {
     float xsum[512]; /* k / group <= 16384 / 32 */
     Gemv g = {(int)d->format, (int)d->half, codes, sz, mins, n, k, d->group, d->block_n, x, xsum, y};
-    if (d->format == FORMAT_NIBBLES && mins)
+    if (d->format != FORMAT_INT4PACK && mins)
         for (int64_t i = 0; i < k / d->group; i++) {
             float sum = 0.0f;
             for (int64_t j = i * d->group; j < (i + 1) * d->group; j++) sum += x[j];
             xsum[i] = sum;
         }
-    int64_t unit = d->format == FORMAT_INT4PACK ? d->block_n : 16, mid = (n / unit / 2) * unit;
+    int64_t unit = d->format == FORMAT_NIBBLES ? 16 : d->block_n, mid = (n / unit / 2) * unit;
     if (!h || mid == 0) {
         gemv_run(&g, 0, n);
         return;
@@ -884,9 +889,10 @@ static int decode_token(const Int4Dims *d, const Int4Layer *layers, int64_t num_
     int64_t H = d->hidden, q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     int64_t qkv_n = q_size + 2 * kv_size, I = d->intermediate;
     int bf = (int)d->bf16;
-    int layout_ok = d->format == FORMAT_INT4PACK
+    int layout_ok = d->format == FORMAT_INT4PACK || d->format == FORMAT_BLOCKS
                         ? d->block_n > 0 && d->block_n <= 256 && d->block_n % 2 == 0 && H % d->block_n == 0 &&
-                              qkv_n % d->block_n == 0 && (2 * I) % d->block_n == 0
+                              qkv_n % d->block_n == 0 && (2 * I) % d->block_n == 0 &&
+                              (d->format == FORMAT_INT4PACK || d->group <= 256)
                         : d->format == FORMAT_NIBBLES && d->group % 32 == 0;
     if (!layout_ok || position < 0 || position >= d->max_position || slot < 0 ||
         slot >= d->num_blocks * d->block_size || context_len < 1 || context_len > max_blocks * d->block_size ||

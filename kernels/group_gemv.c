@@ -11,6 +11,9 @@
  * every row of x, and each group's products are scaled lane by lane (no horizontal sum until the
  * row's end). Sums in float32 with fused multiply-adds.
  *
+ * A third layout, 4-bit codes in row blocks with group-major scales (nibble_blocks.h), has its GEMV,
+ * transposed dequantization and row gather exported here as nibble_blocks_*.
+ *
  * Built with -march=native: AVX-512 or AVX2 where the compiler targets them, a scalar loop otherwise.
  */
 #include <math.h>
@@ -18,6 +21,7 @@
 #include <string.h>
 
 #include "c_parts.h"
+#include "nibble_blocks.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -421,4 +425,52 @@ int int4pack_dequantize_parts(const uint8_t *packed, const uint16_t *scales_zero
                               int64_t group, int64_t block_n, int64_t n_begin, int64_t n_end, const int64_t *bounds,
                               int64_t parts, uint16_t *out) {
     RUN_PARTS(int4pack_dequantize(packed, scales_zeros, n, k, group, block_n, n_begin, n_end, begin, end, out))
+}
+
+/* nibble blocks (nibble_blocks.h): rows [begin, end) of y, multiples of block_n */
+int nibble_blocks_gemv(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x,
+                       const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                       int64_t begin, int64_t end) {
+    return nb_gemv(packed, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end);
+}
+
+/* W^T columns [k_begin, k_end) for rows [n_begin, n_end) of W */
+int nibble_blocks_dequantize_t(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,
+                               int64_t k, int64_t group, int64_t block_n, int64_t n_begin, int64_t n_end,
+                               int64_t k_begin, int64_t k_end, float *out) {
+    return nb_dequantize_t(packed, scale, mins, half, n, k, group, block_n, n_begin, n_end, k_begin, k_end, out);
+}
+
+/* rows of W (gathered, or from row_begin) into out rows [out_begin, out_end) */
+int nibble_blocks_gather(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n, int64_t k,
+                         int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin, int64_t out_begin,
+                         int64_t out_end, float *out) {
+    return nb_gather(packed, scale, mins, half, n, k, group, block_n, rows, row_begin, out_begin, out_end, out);
+}
+
+int nibble_blocks_gemv_parts(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x,
+                             const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                             int64_t block_n, const int64_t *bounds, int64_t parts) {
+    RUN_PARTS(nb_gemv(packed, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end))
+}
+
+int nibble_blocks_dequantize_t_parts(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,
+                                     int64_t k, int64_t group, int64_t block_n, int64_t n_begin, int64_t n_end,
+                                     const int64_t *bounds, int64_t parts, float *out) {
+    RUN_PARTS(nb_dequantize_t(packed, scale, mins, half, n, k, group, block_n, n_begin, n_end, begin, end, out))
+}
+
+int nibble_blocks_gather_parts(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,
+                               int64_t k, int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin,
+                               const int64_t *bounds, int64_t parts, float *out) {
+    RUN_PARTS(nb_gather(packed, scale, mins, half, n, k, group, block_n, rows, row_begin, begin, end, out))
+}
+
+/* the row block the vector loops of nibble_blocks.h read (4 vectors of float32 lanes), 0 without them */
+int nibble_blocks_block_n(void) {
+#ifdef NB_LANES
+    return 4 * NB_LANES;
+#else
+    return 0;
+#endif
 }

@@ -55,9 +55,17 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.int4pack_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr]
     lib.int4pack_dequantize.restype = i32
     lib.group_gemv_width.restype = i32
+    lib.nibble_blocks_gemv.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+    lib.nibble_blocks_dequantize_t.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, ptr]
+    lib.nibble_blocks_gather.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, i64, i64, i64, ptr]
+    for name in ("nibble_blocks_gemv", "nibble_blocks_dequantize_t", "nibble_blocks_gather", "nibble_blocks_block_n"):
+        getattr(lib, name).restype = i32
     declare_parts(lib, "group_gemv", 12)
     declare_parts(lib, "group_dequantize", 7)
     declare_parts(lib, "int4pack_dequantize", 8)
+    declare_parts(lib, "nibble_blocks_gemv", 12)
+    declare_parts(lib, "nibble_blocks_dequantize_t", 10)
+    declare_parts(lib, "nibble_blocks_gather", 10)
     log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
              lib.group_gemv_width())  # fmt: skip
     return lib
@@ -123,16 +131,7 @@ def dequantize(
     k = codes.shape[1] * (2 if nibbles else 1)
     if dtype not in (torch.float32, torch.bfloat16) or scale.dtype not in (torch.float16, torch.float32):
         raise ValueError(f"dequantize: {dtype} output from {scale.dtype} scales")
-    if isinstance(rows, slice):
-        begin, end, step = rows.indices(n)
-        if step != 1:
-            raise ValueError("dequantize: a row slice must be contiguous")
-        index, num = None, max(0, end - begin)
-    else:
-        index = rows.reshape(-1).to(torch.int64).contiguous()
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n):
-            raise IndexError(f"dequantize: row index out of range for {n} rows")
-        begin, num = 0, index.numel()
+    index, begin, num = _row_selection(rows, n)
     if out is None:
         out = torch.empty(num, k, dtype=dtype)
     if out.shape != (num, k) or out.dtype != dtype or not out.is_contiguous():
@@ -192,6 +191,140 @@ def int4pack_dequantize(
     parts = _row_ranges(k, k * (end - begin), torch.get_num_threads())
     ok = _run_split(lib, "int4pack_dequantize", args, (out.data_ptr(),), parts, raise_on_error=check)
     return out if ok else None
+
+
+# -- nibble blocks (nibble_blocks.h): 4-bit codes in row blocks, exact group-major scales -------------
+
+
+def nibble_blocks_block_n(lib: ctypes.CDLL | None = None) -> int | None:
+    """The row block the C library's vector loops read (64 with AVX-512, 32 with AVX2), or None
+    (no library, or scalar loops only: weights then keep GGUF's nibble layout)."""
+    lib = lib or library()
+    return (lib.nibble_blocks_block_n() or None) if lib is not None else None
+
+
+def nibble_blocks_from_codes(codes: torch.Tensor, block_n: int) -> torch.Tensor:  # [N, K] 0..15 -> [N, K / 2]
+    """Per block of block_n rows, per column, block_n / 2 bytes: byte j = row j | row block_n / 2 + j << 4."""
+    n, k = codes.shape
+    if n % block_n or block_n % 2:
+        raise ValueError(f"nibble blocks: {n} rows are not blocks of {block_n}")
+    c = codes.to(torch.uint8).view(n // block_n, 2, block_n // 2, k).permute(0, 3, 1, 2)  # [NB, K, 2, half]
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def codes_from_nibble_blocks(packed: torch.Tensor, block_n: int) -> torch.Tensor:  # [N, K / 2] -> [N, K] uint8
+    n, half_k = packed.shape
+    p = packed.view(n // block_n, half_k * 2, 1, block_n // 2)  # [NB, K, 1, half]
+    return torch.cat((p & 0x0F, p >> 4), dim=2).permute(0, 2, 3, 1).reshape(n, half_k * 2)
+
+
+def _blocks_args(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, block_n: int) -> tuple:
+    """(packed, scale, mins, half, n, k, group) after the checks every entry point shares."""
+    num_groups, n = scale.shape  # [G, N]
+    k = packed.shape[1] * 2
+    if packed.dtype != torch.uint8 or packed.shape[0] != n or k % num_groups or n % block_n:
+        raise ValueError(f"nibble blocks: packed {tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)}, "
+                         f"blocks of {block_n}")  # fmt: skip
+    if scale.dtype not in (torch.float16, torch.float32) or (mins is not None and mins.dtype != scale.dtype):
+        raise ValueError("nibble blocks: scale (and mins) must be float16 or float32, of one dtype")
+    if not all(t is None or t.is_contiguous() for t in (packed, scale, mins)) or (
+        mins is not None and mins.shape != scale.shape
+    ):
+        raise ValueError("nibble blocks: packed, scale and mins must be contiguous, mins shaped like scale")
+    mins_ptr = None if mins is None else mins.data_ptr()
+    return packed.data_ptr(), scale.data_ptr(), mins_ptr, int(scale.dtype == torch.float16), n, k, k // num_groups
+
+
+def nibble_blocks_gemv(
+    x: torch.Tensor,  # [M, K], any floating dtype
+    packed: torch.Tensor,  # [N, K / 2] uint8 (nibble_blocks_from_codes)
+    scale: torch.Tensor,  # [G, N] float16 or float32
+    mins: torch.Tensor | None,  # like scale, or None
+    block_n: int,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # [M, N] float32
+    """y = x @ W^T, W[n, g * group + j] = scale[g, n] * q (+ mins[g, n]), float32 sums."""
+    lib = lib or library()
+    codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
+    m = x.shape[0]
+    if x.shape != (m, k):
+        raise ValueError(f"nibble_blocks_gemv: x {tuple(x.shape)} for a [{n}, {k}] weight")
+    xf = x.detach().to(torch.float32).contiguous()
+    xsum = xf.view(m, k // group, group).sum(-1) if mins is not None else xf  # [M, G] (unread without mins)
+    y = torch.empty(m, n, dtype=torch.float32)
+    args = (codes_ptr, scale_ptr, mins_ptr, half, xf.data_ptr(), xsum.data_ptr(), y.data_ptr(), m, n, k, group, block_n)
+    _run_split(lib, "nibble_blocks_gemv", args, (), _block_ranges(n, block_n, n * k, torch.get_num_threads()))
+    return y
+
+
+def nibble_blocks_dequantize_t(
+    packed: torch.Tensor,
+    scale: torch.Tensor,  # [G, N]
+    mins: torch.Tensor | None,
+    block_n: int,
+    columns: slice = slice(None),  # rows n of W (multiples of block_n)
+    out: torch.Tensor | None = None,  # [K, len(columns)] float32, contiguous
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # [K, len(columns)] float32: W^T, so that x @ out == x @ W^T
+    """W^T in float32: scale * q + min, one rounding."""
+    lib = lib or library()
+    codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
+    begin, end, step = columns.indices(n)
+    if step != 1 or begin % block_n or end % block_n:
+        raise ValueError(f"nibble_blocks_dequantize_t: columns {columns} are not whole blocks of {block_n}")
+    if out is None:
+        out = torch.empty(k, end - begin, dtype=torch.float32)
+    if out.shape != (k, end - begin) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"nibble_blocks_dequantize_t: out {tuple(out.shape)} {out.dtype}, "
+                         f"expected ({k}, {end - begin}) float32")  # fmt: skip
+    args = (codes_ptr, scale_ptr, mins_ptr, half, n, k, group, block_n, begin, end)
+    parts = _row_ranges(k, k * (end - begin), torch.get_num_threads())
+    _run_split(lib, "nibble_blocks_dequantize_t", args, (out.data_ptr(),), parts)
+    return out
+
+
+def nibble_blocks_gather(
+    packed: torch.Tensor,
+    scale: torch.Tensor,  # [G, N]
+    mins: torch.Tensor | None,
+    block_n: int,
+    rows: slice | torch.Tensor = slice(None),  # a range of rows, or row indices
+    out: torch.Tensor | None = None,  # [R, K] float32, contiguous
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # [R, K] float32
+    """Rows of W in float32 (the values nibble_blocks_dequantize_t gives)."""
+    lib = lib or library()
+    codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
+    index, begin, num = _row_selection(rows, n)
+    if out is None:
+        out = torch.empty(num, k, dtype=torch.float32)
+    if out.shape != (num, k) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"nibble_blocks_gather: out {tuple(out.shape)} {out.dtype}, expected ({num}, {k}) float32")
+    args = (codes_ptr, scale_ptr, mins_ptr, half, n, k, group, block_n,
+            None if index is None else index.data_ptr(), begin)  # fmt: skip
+    _run_split(lib, "nibble_blocks_gather", args, (out.data_ptr(),), _row_ranges(num, num * k, torch.get_num_threads()))
+    return out
+
+
+def _row_selection(rows: slice | torch.Tensor, n: int) -> tuple[torch.Tensor | None, int, int]:
+    """(int64 indices or None, first row, count) for a contiguous slice or an index tensor, checked."""
+    if isinstance(rows, slice):
+        begin, end, step = rows.indices(n)
+        if step != 1:
+            raise ValueError("a row slice must be contiguous")
+        return None, begin, max(0, end - begin)
+    index = rows.reshape(-1).to(torch.int64).contiguous()
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n):
+        raise IndexError(f"row index out of range for {n} rows")
+    return index, 0, index.numel()
+
+
+def _block_ranges(n: int, block_n: int, num_weights: int, threads: int) -> list[tuple[int, int]]:
+    """[begin, end) output rows per thread in whole blocks: as _row_ranges, a block at least per thread."""
+    blocks = n // block_n
+    parts = max(1, min(threads, blocks)) if num_weights >= PARALLEL_MIN_WEIGHTS else 1
+    bounds = [blocks * i // parts * block_n for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _run_split(lib, name: str, args: tuple, tail: tuple, parts: list[tuple[int, int]], raise_on_error=True) -> bool:

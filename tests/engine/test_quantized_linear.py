@@ -65,10 +65,19 @@ def test_blocks_read_as_codes_and_scales_dequantize_bit_for_bit_like_gguf(qtype)
     assert torch.equal(ours, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[qtype])))
 
 
+def four_bit_float32_form(n: int) -> str:
+    """The form 4-bit weights of n rows take with float32 activations on this machine."""
+    block_n = group_gemv.nibble_blocks_block_n()
+    return "blocks" if block_n and n % block_n == 0 else "nibbles"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("num_tokens", [1, 16])  # the C GEMV, dequantize + dense
-def test_float32_matmul_equals_the_float64_product_with_ggufs_weights_within_float32_rounding(qtype, num_tokens):
-    module, data = loaded(qtype, torch.float32)
+@pytest.mark.parametrize("n", [128, 80])  # 4-bit: nibble blocks (with AVX2 or AVX-512), GGUF's nibble order
+def test_float32_matmul_equals_the_float64_product_with_ggufs_weights_within_float32_rounding(qtype, num_tokens, n):
+    module, data = loaded(qtype, torch.float32, n=n)
+    if qtype.startswith("Q4"):
+        assert module.form == four_bit_float32_form(n)
     x = torch.randn(num_tokens, K, generator=torch.Generator().manual_seed(1))
     w = reference(data, qtype)
     bound = (x.double().abs() @ w.abs().T) * 1e-5  # a few float32 ulps of the summed magnitudes
@@ -100,7 +109,8 @@ def test_no_full_precision_weight_is_left_and_bytes_stay_near_the_files(qtype, d
 def test_four_bit_weights_use_the_int4pack_kernel_in_bfloat16_and_dequantize_per_call_in_float32():
     assert loaded("Q4_1", torch.bfloat16)[0].form == "int4pack"
     assert loaded("Q4_K", torch.bfloat16)[0].form == "int4pack"
-    assert loaded("Q4_1", torch.float32)[0].form == "nibbles"
+    assert loaded("Q4_1", torch.float32, n=80)[0].form == "nibbles"  # 80 rows: blocks of neither 32 nor 64
+    assert loaded("Q4_1", torch.float32, n=128)[0].form == four_bit_float32_form(128)
     assert loaded("Q4_1", torch.bfloat16, gather=True)[0].form == "nibbles"  # embeddings gather rows
     assert loaded("Q6_K", torch.bfloat16)[0].form == "int8"
 
@@ -185,19 +195,49 @@ def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_l
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype):
+@pytest.mark.parametrize("n", [96, 128])  # float32 4-bit: nibbles (AVX-512) or blocks; blocks
+def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype, n):
     if group_gemv.library() is None:
         pytest.skip("no C compiler here")
-    module, _ = loaded(qtype, dtype, gather=True)
+    module, _ = loaded(qtype, dtype, gather=True, n=n)
     ids = torch.tensor([5, 0, 95, 5])
     for rows in (slice(None), slice(3, 40), ids):
         assert torch.equal(module.dequantize_rows(rows, dtype), module._dequantize_rows_torch(rows, dtype))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_float32_four_bit_rounds_run_the_blocks_gemv_then_rebuild_w_t_in_chunks_of_whole_blocks(qtype, monkeypatch):
+    """Nibble blocks: up to GEMV_MAX_M rows run the blocks' GEMV; more rebuild W^T, here 640 rows
+    in column chunks of 256, 256 and 128 (CHUNK_BYTES' worth, at least 256 rows, whole blocks),
+    each into one scratch buffer; every product within float32 rounding of GGUF's weights."""
+    block_n = group_gemv.nibble_blocks_block_n()
+    if block_n is None:
+        pytest.skip("no vector loops for nibble blocks on this CPU")
+    module, data = loaded(qtype, torch.float32, n=640)
+    assert module.form == "blocks" and module.block_n == block_n and module.scales.shape == (K // 32, 640)
+    assert stored_bytes(module) <= MAX_BYTES_RATIO[qtype] * data.nbytes
+    monkeypatch.setattr(quantized_linear, "CHUNK_ROWS", 300)
+    monkeypatch.setattr(quantized_linear, "CHUNK_BYTES", 100 * K * 4)  # under the 256-row floor
+    calls = {"gemv": [], "dequantize": []}
+    real_gemv, real_dequantize = group_gemv.nibble_blocks_gemv, group_gemv.nibble_blocks_dequantize_t
+    monkeypatch.setattr(group_gemv, "nibble_blocks_gemv",
+                        lambda x, *a, **k: calls["gemv"].append(x.shape[0]) or real_gemv(x, *a, **k))  # fmt: skip
+    monkeypatch.setattr(group_gemv, "nibble_blocks_dequantize_t", lambda *a, columns, **k: calls["dequantize"].append(
+        columns.stop - columns.start) or real_dequantize(*a, columns=columns, **k))  # fmt: skip
+    w = reference(data, qtype)
+    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, 40):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        y = module(x)
+        assert y.dtype == torch.float32 and y.shape == (m, 640)
+        assert ((y.double() - x.double() @ w.T).abs() <= (x.double().abs() @ w.abs().T) * 1e-5).all()
+    assert calls == {"gemv": [1, GEMV_MAX_M], "dequantize": [256, 256, 128] * 2}
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
-def test_quantized_embedding_gathers_exactly_ggufs_rows(qtype):
-    data = gguf_blocks(qtype)
-    embedding = QuantizedEmbedding(N, K, torch.float32)
-    embedding.table.load(read_blocks(data, qtype, (N, K)), torch.float32, gather=True)
+@pytest.mark.parametrize("n", [96, 128])
+def test_quantized_embedding_gathers_exactly_ggufs_rows(qtype, n):
+    data = gguf_blocks(qtype, n=n)
+    embedding = QuantizedEmbedding(n, K, torch.float32)
+    embedding.table.load(read_blocks(data, qtype, (n, K)), torch.float32, gather=True)
     ids = torch.tensor([5, 0, 95, 5])
     assert torch.equal(embedding(ids), reference(data, qtype)[ids].float())

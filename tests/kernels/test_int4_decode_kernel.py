@@ -1,8 +1,9 @@
 """cpu_ops.c `int4_llama_decode_token` on a tiny random two-layer Llama stack against a float64
 forward written here, for each build this machine can run (native, AVX2 only, scalar) and both
 int4pack block widths (64 rows, as ATen packs with AVX-512; 32, with AVX2; bf16 activations), the
-weights packed by this folder's own writer of the layout, and GGUF's nibbles (float32 activations);
-one thread and two give the same bits."""
+weights packed by this folder's own writer of the layout, and GGUF's codes with float32 activations
+in GGUF's nibble order or in nibble blocks of 32 and 64 rows (vector loops where the build's lanes
+fit the block, scalar loops otherwise); one thread and two give the same bits."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _projection(layout: str, n: int, k: int, seed: int):
     """(codes, scales, mins or None, the weight in float64) of one projection in `layout`:
-    "int4pack-32" / "int4pack-64" (bf16 scale and zero pairs), or "nibbles" (GGUF's: float16 scale
-    and min per row and group)."""
+    "int4pack-32" / "int4pack-64" (bf16 scale and zero pairs), "nibbles" (GGUF's: float16 scale
+    and min per row and group), or "blocks-32" / "blocks-64" (the same codes in row blocks, scales
+    and mins [G, N])."""
     if layout.startswith("int4pack"):
         codes, scales_zeros, w = _int4_weight(n, k, GROUP, seed=seed)
         return pack_int4(codes, int(layout.split("-")[1])), scales_zeros, None, w
@@ -48,14 +50,18 @@ def _projection(layout: str, n: int, k: int, seed: int):
     scale = (torch.rand(n, k // GROUP, generator=gen) * 1e-2).half()
     mins = (torch.randn(n, k // GROUP, generator=gen) * 1e-2).half()
     w = codes.double().view(n, -1, GROUP) * scale.double()[..., None] + mins.double()[..., None]
+    if layout.startswith("blocks"):
+        packed = group_gemv.nibble_blocks_from_codes(codes, int(layout.split("-")[1]))
+        return packed, scale.t().contiguous(), mins.t().contiguous(), w.view(n, k)
     return group_gemv.nibbles_from_codes(codes), scale, mins, w.view(n, k)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize("layout", ["int4pack-32", "int4pack-64", "nibbles"])
+@pytest.mark.parametrize("layout", ["int4pack-32", "int4pack-64", "nibbles", "blocks-32", "blocks-64"])
 def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
     lib = _library(build)
-    dtype = torch.float32 if layout == "nibbles" else torch.bfloat16  # the activations each layout runs with
+    exact = not layout.startswith("int4pack")  # GGUF's exact scales with float32 activations
+    dtype = torch.float32 if exact else torch.bfloat16  # the activations each layout runs with
     gen = torch.Generator().manual_seed(5)
     q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     shapes = {"qkv": (q_size + 2 * kv_size, HIDDEN), "o": (HIDDEN, q_size), "gate_up": (2 * INTER, HIDDEN),
@@ -81,12 +87,12 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
         entry.input_norm, entry.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
         entry.k_cache, entry.v_cache = caches[0].data_ptr(), caches[1].data_ptr()
         ref_layers.append((weights, norms, [c.clone() for c in caches]))
-    nibbles = layout == "nibbles"
+    formats = {"int4pack": cpu_ops.FORMAT_INT4PACK, "nibbles": cpu_ops.FORMAT_NIBBLES, "blocks": cpu_ops.FORMAT_BLOCKS}
     dims = cpu_ops.Int4Dims(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=INTER,
-                            group=GROUP, block_n=0 if nibbles else int(layout.split("-")[1]), num_blocks=NUM_BLOCKS,
-                            block_size=BLOCK_SIZE, max_position=16, rotary_dim=HEAD_DIM,
-                            format=cpu_ops.FORMAT_NIBBLES if nibbles else cpu_ops.FORMAT_INT4PACK, bf16=int(not nibbles),
-                            half=int(nibbles), eps=EPS, scale=HEAD_DIM**-0.5, cos_sin=cos_sin.data_ptr())  # fmt: skip
+                            group=GROUP, block_n=int(layout.split("-")[1]) if "-" in layout else 0,
+                            num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_position=16, rotary_dim=HEAD_DIM,
+                            format=formats[layout.split("-")[0]], bf16=int(not exact), half=int(exact), eps=EPS,
+                            scale=HEAD_DIM**-0.5, cos_sin=cos_sin.data_ptr())  # fmt: skip
     embedding = torch.randn(HIDDEN, generator=gen).to(dtype)
     runs = []
     for threads in (1, 2):  # 2: a second thread takes half of each GEMV's rows; the same sums
@@ -113,7 +119,7 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
         gate_up = weights["gate_up"] @ _rms(res, w_post.double())
         x = weights["down"] @ (torch.nn.functional.silu(gate_up[:INTER]) * gate_up[INTER:])
     scale = x.abs().max()
-    tol = 1e-4 if nibbles else 3e-2  # float32 sums only; bf16: roundings after every op
+    tol = 1e-4 if exact else 3e-2  # float32 sums only; bf16: roundings after every op
     assert (hidden.double() - x).abs().max() <= tol * scale, ((hidden.double() - x).abs().max(), scale)
     assert (residual.double() - res).abs().max() <= tol * res.abs().max()
     stored = [keep[i] for i in range(len(keep)) if keep[i].dim() == 4]  # each layer's K and V cache

@@ -13,9 +13,16 @@ three storage forms, and with it the kernel:
   rebuilds W^T from the int4pack layout in C (kernels/group_gemv.py `int4pack_dequantize`, 0.18
   ms) and multiplies densely in bf16 (1.2 ms). That needs N to be a multiple of the layout's row
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
+- `blocks` (4-bit codes with float32 activations, N a multiple of the C kernels' row block: 64
+  with AVX-512, 32 with AVX2): the codes in row blocks (kernels/nibble_blocks.h: int4pack's code
+  order), exact float16 / float32 scales and mins [G, N]. At most `GEMV_MAX_M` rows run the
+  blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order); more rebuild W^T
+  (whole, or `CHUNK_BYTES` of columns at a time for a weight of more than `CHUNK_ROWS` rows) and
+  multiply densely; an embedding gathers its rows. The same values as `nibbles`.
 - `int8` (8-bit codes: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
-- `nibbles` (4-bit codes otherwise: float32 activations, gathered embeddings): two codes per byte
-  in kernels/group_gemv.c's order (GGUF's own), scales and mins [N, G].
+- `nibbles` (4-bit codes otherwise: bfloat16 gathered embeddings, shapes the blocks do not fit,
+  CPUs without AVX2): two codes per byte in kernels/group_gemv.c's order (GGUF's own), scales and
+  mins [N, G].
 
 `int8` and `nibbles` multiply a round of at most `GEMV_MAX_M` rows with the C kernel
 (kernels/group_gemv.py: exact scales, float32 sums, the weight read once at memory bandwidth) and
@@ -58,6 +65,9 @@ def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather:
     cpu = torch.device(device).type == "cpu"
     if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
         return "int4pack"
+    block_n = group_gemv.nibble_blocks_block_n() if cpu and weight.bits == 4 and dtype == torch.float32 else None
+    if block_n and weight.shape[0] % block_n == 0 and weight.group_size <= 256:
+        return "blocks"
     form = "int8" if weight.bits == 8 else "nibbles"
     if form == "nibbles" and weight.group_size % 32:
         raise ValueError(f"{weight.qtype}: 4-bit codes in groups of {weight.group_size} (a multiple of 32 is needed)")
@@ -88,7 +98,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.form, self.qtype, self.group_size = "", "", 0  # set by load()
-        self.block_n: int | None = None  # int4pack: the layout's row blocks, if the C kernel reads it
+        self.block_n: int | None = None  # int4pack (if the C kernel reads it) and blocks: the layout's row blocks
 
     @classmethod
     def like(cls, linear: nn.Linear) -> QuantizedLinear:
@@ -115,6 +125,13 @@ class QuantizedLinear(nn.Module):
             self.block_n = block_n if block_n and n % block_n == 0 else None  # None: int4pack at every M
             if self.block_n is None:
                 _log_once(weight.qtype, dtype, f"int4pack at every row count ({n} rows, layout blocks {block_n})")
+        elif self.form == "blocks":
+            self.block_n = group_gemv.nibble_blocks_block_n()
+            scales, mins = _exact_pair(weight.scale, weight.min)
+            self.register_buffer("codes", group_gemv.nibble_blocks_from_codes(weight.codes, self.block_n))
+            self.register_buffer("scales", scales.t().contiguous())  # [G, N]
+            if mins is not None:
+                self.register_buffer("mins", mins.t().contiguous())  # [G, N]
         else:
             if self.form == "int8" and weight.min is not None:
                 raise ValueError(f"{weight.qtype}: 8-bit codes with a min are not supported")
@@ -134,16 +151,28 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
                                                            self.scales_zeros)  # fmt: skip
         elif self.form == "int4pack":
-            y = self._int4pack_dequantized_matmul(x2)
+            y = self._transposed_matmul(x2, min(self.out_features, CHUNK_ROWS))
+        elif self.form == "blocks" and x2.shape[0] <= GEMV_MAX_M:
+            mins = getattr(self, "mins", None)
+            y = group_gemv.nibble_blocks_gemv(x2, self.codes, self.scales, mins, self.block_n).to(x2.dtype)
+        elif self.form == "blocks":
+            y = self._transposed_matmul(x2, self._chunk_rows(x2.element_size(), self.block_n))
         elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
             y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
         else:
             y = self._dequantized_matmul(x2)
         return y.view(*lead, self.out_features)
 
+    def _chunk_rows(self, element_size: int, multiple: int) -> int:
+        """Rows of W rebuilt at a time: all of them, or CHUNK_BYTES' worth for a tall weight."""
+        n = self.out_features
+        if n <= CHUNK_ROWS:
+            return n
+        return max(256, CHUNK_BYTES // (self.in_features * element_size)) // multiple * multiple
+
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         n = self.out_features
-        chunk = n if n <= CHUNK_ROWS else max(256, CHUNK_BYTES // (self.in_features * x.element_size()))
+        chunk = self._chunk_rows(x.element_size(), 1)
         buffer = _scratch(chunk * self.in_features, x.dtype).view(chunk, self.in_features)
         if n <= chunk:
             return F.linear(x, self.dequantize_rows(slice(None), x.dtype, out=buffer))
@@ -153,17 +182,22 @@ class QuantizedLinear(nn.Module):
             y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype, out=buffer[: rows.stop - rows.start]))
         return y
 
-    def _int4pack_dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bfloat16 -> [M, N]
-        """x @ W^T with W^T rebuilt by the C kernel from the int4pack layout, CHUNK_ROWS columns at a time."""
+    def _transposed_matmul(self, x: torch.Tensor, chunk: int) -> torch.Tensor:  # [M, K] -> [M, N]
+        """x @ W^T with W^T rebuilt by the C kernel from the int4pack layout (bfloat16) or the
+        nibble blocks (float32), `chunk` columns (a multiple of block_n) at a time."""
         n, k = self.out_features, self.in_features
-        chunk = min(n, CHUNK_ROWS)
-        buffer = _scratch(chunk * k, torch.bfloat16)
+        buffer = _scratch(chunk * k, x.dtype)
         y = x.new_empty(x.shape[0], n) if n > chunk else None  # [M, N]
         for r in range(0, n, chunk):
             cols = slice(r, min(r + chunk, n))
             width = cols.stop - cols.start
-            w_t = group_gemv.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
-                                                 cols, out=buffer[: k * width].view(k, width))  # fmt: skip
+            out = buffer[: k * width].view(k, width)
+            if self.form == "int4pack":
+                w_t = group_gemv.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
+                                                     cols, out=out)  # fmt: skip
+            else:
+                w_t = group_gemv.nibble_blocks_dequantize_t(self.codes, self.scales, getattr(self, "mins", None),
+                                                            self.block_n, columns=cols, out=out)  # fmt: skip
             if y is None:
                 return torch.mm(x, w_t)
             y[:, cols] = torch.mm(x, w_t)
@@ -178,6 +212,12 @@ class QuantizedLinear(nn.Module):
         it is stored (into `out`, [R, K], if given)."""
         if self.form == "int4pack":
             raise RuntimeError("int4pack weights are only multiplied; gathered weights use another form")
+        if self.form == "blocks":
+            mins = getattr(self, "mins", None)
+            if dtype == torch.float32:
+                return group_gemv.nibble_blocks_gather(self.codes, self.scales, mins, self.block_n, rows, out)
+            w = group_gemv.nibble_blocks_gather(self.codes, self.scales, mins, self.block_n, rows)
+            return w.to(dtype) if out is None else out.copy_(w)
         if dtype in (torch.float32, torch.bfloat16) and not self.codes.is_cuda and group_gemv.library() is not None:
             return group_gemv.dequantize(self.codes, self.scales, getattr(self, "mins", None), dtype, rows, out)
         return self._dequantize_rows_torch(rows, dtype, out)
@@ -185,15 +225,17 @@ class QuantizedLinear(nn.Module):
     def _dequantize_rows_torch(
         self, rows: slice | torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [R, K]: dequantize_rows without the C kernel (the same values)
-        codes = self.codes[rows]
+        blocks = self.form == "blocks"  # codes in row blocks, scales [G, N]
+        codes = group_gemv.codes_from_nibble_blocks(self.codes, self.block_n)[rows] if blocks else self.codes[rows]
         if self.form == "nibbles":
             codes = group_gemv.codes_from_nibbles(codes)
         r = codes.shape[0]
         codes = codes.view(r, -1, self.group_size)  # [R, G, group]
         w = torch.empty(codes.shape, dtype=dtype) if out is None else out.view(codes.shape)
-        scales = self.scales[rows].float()[..., None]  # [R, G, 1]
+        scales = (self.scales.t() if blocks else self.scales)[rows].float()[..., None]  # [R, G, 1]
         if hasattr(self, "mins"):
-            torch.addcmul(self.mins[rows].float()[..., None], codes, scales, out=w)
+            mins = self.mins.t() if blocks else self.mins
+            torch.addcmul(mins[rows].float()[..., None], codes, scales, out=w)
         else:
             torch.mul(codes, scales, out=w)
         return w.view(r, self.in_features)

@@ -1,5 +1,5 @@
 """A decode round of one request through a Llama stack whose projections are GGUF 4-bit weights on
-the CPU (int4pack with bfloat16 activations, or GGUF's nibbles with float32 activations) in one C
+the CPU (int4pack with bfloat16 activations; GGUF's nibbles or nibble blocks with float32 ones) in one C
 call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and module calls per
 layer.
 
@@ -48,12 +48,17 @@ class Int4Decode:
         qkv = first.self_attn.qkv_proj
         cos_sin = rope.cos_sin_cache
         int4pack = qkv.form == "int4pack"
+        formats = {
+            "int4pack": cpu_ops.FORMAT_INT4PACK,
+            "nibbles": cpu_ops.FORMAT_NIBBLES,
+            "blocks": cpu_ops.FORMAT_BLOCKS,
+        }
         dims = cpu_ops.Int4Dims(
             hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=first.mlp.down_proj.in_features, group=qkv.group_size, block_n=qkv.block_n or 0,
             num_blocks=attn.attn.k_cache.shape[0], block_size=attn.attn.k_cache.shape[1],
             max_position=cos_sin.shape[0], rotary_dim=cos_sin.shape[1],
-            format=cpu_ops.FORMAT_INT4PACK if int4pack else cpu_ops.FORMAT_NIBBLES, bf16=int(int4pack),
+            format=formats[qkv.form], bf16=int(int4pack),
             half=int(not int4pack and qkv.scales.dtype == torch.float16), eps=first.input_layernorm.eps,
             scale=attn.attn.scale, cos_sin=cos_sin.data_ptr(),
         )  # fmt: skip
@@ -104,7 +109,8 @@ class Int4Decode:
 
 def _unsupported(model: nn.Module) -> str | None:
     """Why the C call cannot run this model's stack, or None. It reads int4pack projections with
-    bfloat16 activations, or GGUF nibble projections (groups of 32) with float32 activations."""
+    bfloat16 activations, or GGUF nibble (groups of 32) or nibble-block projections with float32
+    activations."""
     if cpu_ops.library() is None:
         return "no C compiler"
     layers = model.model.layers
@@ -133,7 +139,7 @@ def _unsupported(model: nn.Module) -> str | None:
 
 
 def _readable(p: QuantizedLinear) -> bool:
-    if p.form == "int4pack":
+    if p.form in ("int4pack", "blocks"):
         return bool(p.block_n)
     return p.form == "nibbles" and p.group_size % 32 == 0 and not p.codes.is_cuda
 
@@ -141,4 +147,4 @@ def _readable(p: QuantizedLinear) -> bool:
 def _layout(p: QuantizedLinear) -> tuple:
     if p.form == "int4pack":
         return p.form, p.block_n, p.group_size
-    return p.form, p.group_size, p.scales.dtype, hasattr(p, "mins")
+    return p.form, p.block_n, p.group_size, p.scales.dtype, hasattr(p, "mins")

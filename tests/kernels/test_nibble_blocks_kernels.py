@@ -1,0 +1,113 @@
+"""4-bit codes in row blocks (kernels/nibble_blocks.h through group_gemv.c): the layout against
+ATen's int4pack packing, the GEMV against a float64 product, and the transposed dequantization and
+row gather against the float64 weights rounded once to float32; for each build this machine can
+run (native, AVX2 only, scalar) and row blocks the vector loops read (4 vectors) or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_group_gemv_kernels import _library
+
+from moemesh.kernels import group_gemv as gg
+
+BUILDS = ("native", "avx2", "scalar")
+
+
+def _weight(n: int, k: int, group: int, scale_dtype: torch.dtype, with_mins: bool, block_n: int, seed: int = 0):
+    """(packed, scale [G, N], mins [G, N] or None, W [N, K] float64) built from random codes."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(k // group, n, generator=gen) * 1e-2).to(scale_dtype)
+    mins = (torch.randn(k // group, n, generator=gen) * 1e-2).to(scale_dtype) if with_mins else None
+    w = codes.double().view(n, k // group, group) * scale.double().t()[..., None]
+    if mins is not None:
+        w = w + mins.double().t()[..., None]
+    return gg.nibble_blocks_from_codes(codes, block_n), scale, mins, w.view(n, k)
+
+
+def test_the_layout_round_trips_and_is_atens_int4pack_code_order():
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32)
+    for block_n in (16, 32, 64):
+        packed = gg.nibble_blocks_from_codes(codes, block_n)
+        assert packed.shape == (128, 32) and torch.equal(gg.codes_from_nibble_blocks(packed, block_n), codes.byte())
+        first = packed.view(-1)[: block_n // 2]  # column 0 of the first block
+        assert torch.equal(first & 0x0F, codes[: block_n // 2, 0].byte())
+        assert torch.equal(first >> 4, codes[block_n // 2 : block_n, 0].byte())
+    aten_block = gg.int4pack_block_n()
+    if aten_block is not None:
+        aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        assert torch.equal(aten, gg.nibble_blocks_from_codes(codes, aten_block))
+
+
+CASES = [  # K, group, scale dtype, mins
+    (576, 32, torch.float16, True),  # Q4_1
+    (512, 32, torch.float32, True),  # Q4_K (float32 products of its two scales)
+    (96, 32, torch.float16, False),
+    (144, 48, torch.float32, True),  # a group that is not a multiple of 32
+]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+@pytest.mark.parametrize("k,group,scale_dtype,with_mins", CASES)
+def test_gemv_matches_the_float64_product_within_float32_rounding(build, block_n, k, group, scale_dtype, with_mins):
+    lib = _library(build)
+    packed, scale, mins, w = _weight(128, k, group, scale_dtype, with_mins, block_n)
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = gg.nibble_blocks_gemv(x, packed, scale, mins, block_n, lib=lib)
+        assert y.dtype == torch.float32 and y.shape == (m, 128)
+        bound = (x.double().abs() @ w.abs().T) * 1e-6 + 1e-30  # a few float32 ulps of the summed magnitudes
+        assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("k,group,scale_dtype,with_mins", CASES)
+def test_dequantize_and_gather_give_the_weights_rounded_once_to_float32(build, block_n, k, group, scale_dtype,
+                                                                        with_mins):  # fmt: skip
+    lib = _library(build)
+    packed, scale, mins, w = _weight(192, k, group, scale_dtype, with_mins, block_n)
+    exact = w.float()
+    assert torch.equal(gg.nibble_blocks_dequantize_t(packed, scale, mins, block_n, lib=lib), exact.t())
+    cols = slice(block_n, 3 * block_n)
+    assert torch.equal(gg.nibble_blocks_dequantize_t(packed, scale, mins, block_n, cols, lib=lib), exact[cols].t())
+    ids = torch.tensor([5, 0, 191, 5, block_n, block_n // 2])
+    assert torch.equal(gg.nibble_blocks_gather(packed, scale, mins, block_n, ids, lib=lib), exact[ids])
+    assert torch.equal(gg.nibble_blocks_gather(packed, scale, mins, block_n, slice(3, 40), lib=lib), exact[3:40])
+
+
+def test_two_threads_give_the_bits_of_one():
+    lib = _library("native")
+    block_n = gg.nibble_blocks_block_n(lib) or 32
+    packed, scale, mins, _ = _weight(1024, 576, 32, torch.float16, True, block_n)  # over PARALLEL_MIN_WEIGHTS
+    x = torch.randn(3, 576)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((gg.nibble_blocks_gemv(x, packed, scale, mins, block_n, lib=lib),
+                         gg.nibble_blocks_dequantize_t(packed, scale, mins, block_n, lib=lib),
+                         gg.nibble_blocks_gather(packed, scale, mins, block_n, torch.arange(200), lib=lib)))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_bad_shapes_rows_and_dtypes_are_refused_with_a_message():
+    lib = _library("native")
+    packed, scale, mins, _ = _weight(64, 64, 32, torch.float16, True, 32)
+    with pytest.raises(ValueError, match="x"):
+        gg.nibble_blocks_gemv(torch.randn(1, 96), packed, scale, mins, 32, lib=lib)
+    with pytest.raises(ValueError, match="blocks of 64"):
+        gg.nibble_blocks_gemv(torch.randn(1, 64), packed[:32], scale[:, :32], mins[:, :32], 64, lib=lib)
+    with pytest.raises(ValueError, match="one dtype"):
+        gg.nibble_blocks_gemv(torch.randn(1, 64), packed, scale, mins.float(), 32, lib=lib)
+    with pytest.raises(ValueError, match="whole blocks"):
+        gg.nibble_blocks_dequantize_t(packed, scale, mins, 32, slice(16, 48), lib=lib)
+    with pytest.raises(IndexError):
+        gg.nibble_blocks_gather(packed, scale, mins, 32, torch.tensor([0, 64]), lib=lib)
+    with pytest.raises(ValueError, match="rows are not blocks"):
+        gg.nibble_blocks_from_codes(torch.zeros(48, 64, dtype=torch.uint8), 32)
