@@ -12,7 +12,7 @@
  * row's end). Sums in float32 with fused multiply-adds.
  *
  * A third layout, 4-bit codes in row blocks with group-major scales (nibble_blocks.h), has its GEMV,
- * transposed dequantization and row gather exported here as nibble_blocks_*.
+ * GEMM and row gather exported here as nibble_blocks_*.
  *
  * Built with -march=native: AVX-512 or AVX2 where the compiler targets them, a scalar loop otherwise.
  */
@@ -434,11 +434,16 @@ int nibble_blocks_gemv(const uint8_t *packed, const void *scale, const void *min
     return nb_gemv(packed, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end);
 }
 
-/* W^T columns [k_begin, k_end) for rows [n_begin, n_end) of W */
-int nibble_blocks_dequantize_t(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,
-                               int64_t k, int64_t group, int64_t block_n, int64_t n_begin, int64_t n_end,
-                               int64_t k_begin, int64_t k_end, float *out) {
-    return nb_dequantize_t(packed, scale, mins, half, n, k, group, block_n, n_begin, n_end, k_begin, k_end, out);
+/* y = x W^T for rounds of several rows of x, rows [begin, end) of W; -1 without vector loops for block_n */
+int nibble_blocks_gemm(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x, float *y,
+                       int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, int64_t begin, int64_t end) {
+    return nb_gemm(packed, scale, mins, half, x, y, m, n, k, group, block_n, begin, end);
+}
+
+int nibble_blocks_gemm_parts(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x,
+                             float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                             const int64_t *bounds, int64_t parts) {
+    RUN_PARTS(nb_gemm(packed, scale, mins, half, x, y, m, n, k, group, block_n, begin, end))
 }
 
 /* rows of W (gathered, or from row_begin) into out rows [out_begin, out_end) */
@@ -452,12 +457,6 @@ int nibble_blocks_gemv_parts(const uint8_t *packed, const void *scale, const voi
                              const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
                              int64_t block_n, const int64_t *bounds, int64_t parts) {
     RUN_PARTS(nb_gemv(packed, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end))
-}
-
-int nibble_blocks_dequantize_t_parts(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,
-                                     int64_t k, int64_t group, int64_t block_n, int64_t n_begin, int64_t n_end,
-                                     const int64_t *bounds, int64_t parts, float *out) {
-    RUN_PARTS(nb_dequantize_t(packed, scale, mins, half, n, k, group, block_n, n_begin, n_end, begin, end, out))
 }
 
 int nibble_blocks_gather_parts(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,

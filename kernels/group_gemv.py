@@ -56,15 +56,15 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.int4pack_dequantize.restype = i32
     lib.group_gemv_width.restype = i32
     lib.nibble_blocks_gemv.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
-    lib.nibble_blocks_dequantize_t.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, ptr]
     lib.nibble_blocks_gather.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, i64, i64, i64, ptr]
-    for name in ("nibble_blocks_gemv", "nibble_blocks_dequantize_t", "nibble_blocks_gather", "nibble_blocks_block_n"):
+    lib.nibble_blocks_gemm.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+    for name in ("nibble_blocks_gemv", "nibble_blocks_gemm", "nibble_blocks_gather", "nibble_blocks_block_n"):
         getattr(lib, name).restype = i32
     declare_parts(lib, "group_gemv", 12)
     declare_parts(lib, "group_dequantize", 7)
     declare_parts(lib, "int4pack_dequantize", 8)
     declare_parts(lib, "nibble_blocks_gemv", 12)
-    declare_parts(lib, "nibble_blocks_dequantize_t", 10)
+    declare_parts(lib, "nibble_blocks_gemm", 11)
     declare_parts(lib, "nibble_blocks_gather", 10)
     log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
              lib.group_gemv_width())  # fmt: skip
@@ -257,30 +257,28 @@ def nibble_blocks_gemv(
     return y
 
 
-def nibble_blocks_dequantize_t(
+def nibble_blocks_gemm(
+    x: torch.Tensor,  # [M, K] float32
     packed: torch.Tensor,
     scale: torch.Tensor,  # [G, N]
     mins: torch.Tensor | None,
     block_n: int,
-    columns: slice = slice(None),  # rows n of W (multiples of block_n)
-    out: torch.Tensor | None = None,  # [K, len(columns)] float32, contiguous
     lib: ctypes.CDLL | None = None,
-) -> torch.Tensor:  # [K, len(columns)] float32: W^T, so that x @ out == x @ W^T
-    """W^T in float32: scale * q + min, one rounding."""
+) -> torch.Tensor:  # [M, N] float32
+    """y = x @ W^T for rounds of several rows: each block's W^T rebuilt a slice at a time in cache
+    and multiplied there (nibble_blocks.h nb_gemm); block_n must be the library's own
+    (nibble_blocks_block_n)."""
     lib = lib or library()
     codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
-    begin, end, step = columns.indices(n)
-    if step != 1 or begin % block_n or end % block_n:
-        raise ValueError(f"nibble_blocks_dequantize_t: columns {columns} are not whole blocks of {block_n}")
-    if out is None:
-        out = torch.empty(k, end - begin, dtype=torch.float32)
-    if out.shape != (k, end - begin) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"nibble_blocks_dequantize_t: out {tuple(out.shape)} {out.dtype}, "
-                         f"expected ({k}, {end - begin}) float32")  # fmt: skip
-    args = (codes_ptr, scale_ptr, mins_ptr, half, n, k, group, block_n, begin, end)
-    parts = _row_ranges(k, k * (end - begin), torch.get_num_threads())
-    _run_split(lib, "nibble_blocks_dequantize_t", args, (out.data_ptr(),), parts)
-    return out
+    m = x.shape[0]
+    if x.shape != (m, k) or x.dtype != torch.float32:
+        raise ValueError(f"nibble_blocks_gemm: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight (float32)")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    args = (codes_ptr, scale_ptr, mins_ptr, half, x.data_ptr(), y.data_ptr(), m, n, k, group, block_n)
+    parts = _block_ranges(n, block_n, n * k, torch.get_num_threads())
+    _run_split(lib, "nibble_blocks_gemm", args, (), parts)
+    return y
 
 
 def nibble_blocks_gather(
@@ -292,7 +290,7 @@ def nibble_blocks_gather(
     out: torch.Tensor | None = None,  # [R, K] float32, contiguous
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [R, K] float32
-    """Rows of W in float32 (the values nibble_blocks_dequantize_t gives)."""
+    """Rows of W in float32: scale * q + min, rounded once (GGUF's dequantized values)."""
     lib = lib or library()
     codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
     index, begin, num = _row_selection(rows, n)

@@ -206,31 +206,29 @@ def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype, 
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_float32_four_bit_rounds_run_the_blocks_gemv_then_rebuild_w_t_in_chunks_of_whole_blocks(qtype, monkeypatch):
-    """Nibble blocks: up to GEMV_MAX_M rows run the blocks' GEMV; more rebuild W^T, here 640 rows
-    in column chunks of 256, 256 and 128 (CHUNK_BYTES' worth, at least 256 rows, whole blocks),
-    each into one scratch buffer; every product within float32 rounding of GGUF's weights."""
+def test_float32_four_bit_rounds_run_the_blocks_gemv_then_the_blocks_gemm(qtype, monkeypatch):
+    """Nibble blocks: up to BLOCKS_GEMV_MAX_M rows run the blocks' GEMV, more the blocks' GEMM; both
+    within float32 rounding of GGUF's weights in float64, and no full-precision weight is kept."""
     block_n = group_gemv.nibble_blocks_block_n()
     if block_n is None:
         pytest.skip("no vector loops for nibble blocks on this CPU")
     module, data = loaded(qtype, torch.float32, n=640)
     assert module.form == "blocks" and module.block_n == block_n and module.scales.shape == (K // 32, 640)
     assert stored_bytes(module) <= MAX_BYTES_RATIO[qtype] * data.nbytes
-    monkeypatch.setattr(quantized_linear, "CHUNK_ROWS", 300)
-    monkeypatch.setattr(quantized_linear, "CHUNK_BYTES", 100 * K * 4)  # under the 256-row floor
-    calls = {"gemv": [], "dequantize": []}
-    real_gemv, real_dequantize = group_gemv.nibble_blocks_gemv, group_gemv.nibble_blocks_dequantize_t
-    monkeypatch.setattr(group_gemv, "nibble_blocks_gemv",
-                        lambda x, *a, **k: calls["gemv"].append(x.shape[0]) or real_gemv(x, *a, **k))  # fmt: skip
-    monkeypatch.setattr(group_gemv, "nibble_blocks_dequantize_t", lambda *a, columns, **k: calls["dequantize"].append(
-        columns.stop - columns.start) or real_dequantize(*a, columns=columns, **k))  # fmt: skip
+    calls = []
+    for name in ("nibble_blocks_gemv", "nibble_blocks_gemm"):
+        real = getattr(group_gemv, name)
+        monkeypatch.setattr(group_gemv, name, lambda x, *a, real=real, name=name, **k:
+                            calls.append((name, x.shape[0])) or real(x, *a, **k))  # fmt: skip
     w = reference(data, qtype)
-    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, 40):
+    rows = (1, quantized_linear.BLOCKS_GEMV_MAX_M, quantized_linear.BLOCKS_GEMV_MAX_M + 1, GEMV_MAX_M + 1, 40)
+    for m in rows:
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
         y = module(x)
         assert y.dtype == torch.float32 and y.shape == (m, 640)
         assert ((y.double() - x.double() @ w.T).abs() <= (x.double().abs() @ w.abs().T) * 1e-5).all()
-    assert calls == {"gemv": [1, GEMV_MAX_M], "dequantize": [256, 256, 128] * 2}
+    gemv_rows = [m for m in rows if m <= quantized_linear.BLOCKS_GEMV_MAX_M]
+    assert calls == [("nibble_blocks_gemv" if m in gemv_rows else "nibble_blocks_gemm", m) for m in rows]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])

@@ -1,7 +1,7 @@
 """4-bit codes in row blocks (kernels/nibble_blocks.h through group_gemv.c): the layout against
-ATen's int4pack packing, the GEMV against a float64 product, and the transposed dequantization and
-row gather against the float64 weights rounded once to float32; for each build this machine can
-run (native, AVX2 only, scalar) and row blocks the vector loops read (4 vectors) or not."""
+ATen's int4pack packing, the GEMV and the GEMM against a float64 product, and the row gather
+against the float64 weights rounded once to float32; for each build this machine can run (native,
+AVX2 only, scalar) and row blocks the vector loops read (4 vectors) or not."""
 
 from __future__ import annotations
 
@@ -51,31 +51,31 @@ CASES = [  # K, group, scale dtype, mins
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 @pytest.mark.parametrize("k,group,scale_dtype,with_mins", CASES)
-def test_gemv_matches_the_float64_product_within_float32_rounding(build, block_n, k, group, scale_dtype, with_mins):
+def test_gemv_and_gemm_match_the_float64_product_within_float32_rounding(build, block_n, k, group, scale_dtype,
+                                                                         with_mins):  # fmt: skip
     lib = _library(build)
     packed, scale, mins, w = _weight(128, k, group, scale_dtype, with_mins, block_n)
-    for m in (1, 3, 8):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        y = gg.nibble_blocks_gemv(x, packed, scale, mins, block_n, lib=lib)
-        assert y.dtype == torch.float32 and y.shape == (m, 128)
-        bound = (x.double().abs() @ w.abs().T) * 1e-6 + 1e-30  # a few float32 ulps of the summed magnitudes
-        assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
+    # the GEMM: partial tiles of 6 (AVX-512) or 3 (AVX2) rows, and K past one 128-column slice
+    for multiply, rows in ((gg.nibble_blocks_gemv, (1, 3, 8)), (gg.nibble_blocks_gemm, (1, 5, 13, 64))):
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            y = multiply(x, packed, scale, mins, block_n, lib=lib)
+            assert y.dtype == torch.float32 and y.shape == (m, 128)
+            bound = (x.double().abs() @ w.abs().T) * 1e-6 + 1e-30  # a few float32 ulps of the summed magnitudes
+            assert ((y.double() - x.double() @ w.T).abs() <= bound).all(), (multiply.__name__, m)
 
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("block_n", [32, 64])
 @pytest.mark.parametrize("k,group,scale_dtype,with_mins", CASES)
-def test_dequantize_and_gather_give_the_weights_rounded_once_to_float32(build, block_n, k, group, scale_dtype,
-                                                                        with_mins):  # fmt: skip
+def test_gather_gives_the_weights_rounded_once_to_float32(build, block_n, k, group, scale_dtype, with_mins):
     lib = _library(build)
     packed, scale, mins, w = _weight(192, k, group, scale_dtype, with_mins, block_n)
     exact = w.float()
-    assert torch.equal(gg.nibble_blocks_dequantize_t(packed, scale, mins, block_n, lib=lib), exact.t())
-    cols = slice(block_n, 3 * block_n)
-    assert torch.equal(gg.nibble_blocks_dequantize_t(packed, scale, mins, block_n, cols, lib=lib), exact[cols].t())
     ids = torch.tensor([5, 0, 191, 5, block_n, block_n // 2])
     assert torch.equal(gg.nibble_blocks_gather(packed, scale, mins, block_n, ids, lib=lib), exact[ids])
     assert torch.equal(gg.nibble_blocks_gather(packed, scale, mins, block_n, slice(3, 40), lib=lib), exact[3:40])
+    assert torch.equal(gg.nibble_blocks_gather(packed, scale, mins, block_n, lib=lib), exact)
 
 
 def test_two_threads_give_the_bits_of_one():
@@ -89,7 +89,8 @@ def test_two_threads_give_the_bits_of_one():
         for n in (1, 2):
             torch.set_num_threads(n)
             outs.append((gg.nibble_blocks_gemv(x, packed, scale, mins, block_n, lib=lib),
-                         gg.nibble_blocks_dequantize_t(packed, scale, mins, block_n, lib=lib),
+                         gg.nibble_blocks_gemm(torch.randn(40, 576, generator=torch.Generator().manual_seed(0)), packed,
+                                               scale, mins, block_n, lib=lib),
                          gg.nibble_blocks_gather(packed, scale, mins, block_n, torch.arange(200), lib=lib)))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -105,8 +106,8 @@ def test_bad_shapes_rows_and_dtypes_are_refused_with_a_message():
         gg.nibble_blocks_gemv(torch.randn(1, 64), packed[:32], scale[:, :32], mins[:, :32], 64, lib=lib)
     with pytest.raises(ValueError, match="one dtype"):
         gg.nibble_blocks_gemv(torch.randn(1, 64), packed, scale, mins.float(), 32, lib=lib)
-    with pytest.raises(ValueError, match="whole blocks"):
-        gg.nibble_blocks_dequantize_t(packed, scale, mins, 32, slice(16, 48), lib=lib)
+    with pytest.raises(ValueError, match="float32"):
+        gg.nibble_blocks_gemm(torch.randn(4, 64).bfloat16(), packed, scale, mins, 32, lib=lib)
     with pytest.raises(IndexError):
         gg.nibble_blocks_gather(packed, scale, mins, 32, torch.tensor([0, 64]), lib=lib)
     with pytest.raises(ValueError, match="rows are not blocks"):

@@ -15,10 +15,11 @@ three storage forms, and with it the kernel:
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
 - `blocks` (4-bit codes with float32 activations, N a multiple of the C kernels' row block: 64
   with AVX-512, 32 with AVX2): the codes in row blocks (kernels/nibble_blocks.h: int4pack's code
-  order), exact float16 / float32 scales and mins [G, N]. At most `GEMV_MAX_M` rows run the
-  blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order); more rebuild W^T
-  (whole, or `CHUNK_BYTES` of columns at a time for a weight of more than `CHUNK_ROWS` rows) and
-  multiply densely; an embedding gathers its rows. The same values as `nibbles`.
+  order), exact float16 / float32 scales and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the
+  blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order), more the blocks' C
+  GEMM, which rebuilds each block's W^T a slice at a time in cache and multiplies it there (at 64
+  rows 1.4x a rebuilt weight through MKL, 1.6x at two threads); an embedding gathers its rows.
+  The same values as `nibbles`.
 - `int8` (8-bit codes: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
 - `nibbles` (4-bit codes otherwise: bfloat16 gathered embeddings, shapes the blocks do not fit,
   CPUs without AVX2): two codes per byte in kernels/group_gemv.c's order (GGUF's own), scales and
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 INT4PACK_GROUPS = (32, 64, 128, 256)  # group sizes _weight_int4pack_mm_for_cpu takes
 GEMV_MAX_M = 8  # above this many rows, dequantize + dense beats the C GEMV (it re-reads the weight per 8 rows)
+# nibble blocks: the GEMV up to this many rows, the blocks' GEMM above (SmolLM2's gate_up, one
+# thread: 1 row 0.10 against 0.15 ms, 2 rows even, 4 rows 0.35 against 0.28, 8 rows 0.61 against 0.39)
+BLOCKS_GEMV_MAX_M = 2
 CHUNK_ROWS = 8192  # weights with more rows than this (an lm_head) are dequantized and multiplied in chunks
 # of this many bytes: one chunk stays in cache between its dequantization and its matmul (SmolLM2's
 # 49152 x 576 lm_head at M = 64, float32, one thread: 8192-row chunks 64 ms, 2048-row chunks 45 ms)
@@ -151,28 +155,21 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
                                                            self.scales_zeros)  # fmt: skip
         elif self.form == "int4pack":
-            y = self._transposed_matmul(x2, min(self.out_features, CHUNK_ROWS))
-        elif self.form == "blocks" and x2.shape[0] <= GEMV_MAX_M:
-            mins = getattr(self, "mins", None)
-            y = group_gemv.nibble_blocks_gemv(x2, self.codes, self.scales, mins, self.block_n).to(x2.dtype)
+            y = self._int4pack_dequantized_matmul(x2)
         elif self.form == "blocks":
-            y = self._transposed_matmul(x2, self._chunk_rows(x2.element_size(), self.block_n))
+            multiply = (
+                group_gemv.nibble_blocks_gemv if x2.shape[0] <= BLOCKS_GEMV_MAX_M else group_gemv.nibble_blocks_gemm
+            )
+            y = multiply(x2, self.codes, self.scales, getattr(self, "mins", None), self.block_n)
         elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
             y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
         else:
             y = self._dequantized_matmul(x2)
         return y.view(*lead, self.out_features)
 
-    def _chunk_rows(self, element_size: int, multiple: int) -> int:
-        """Rows of W rebuilt at a time: all of them, or CHUNK_BYTES' worth for a tall weight."""
-        n = self.out_features
-        if n <= CHUNK_ROWS:
-            return n
-        return max(256, CHUNK_BYTES // (self.in_features * element_size)) // multiple * multiple
-
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         n = self.out_features
-        chunk = self._chunk_rows(x.element_size(), 1)
+        chunk = n if n <= CHUNK_ROWS else max(256, CHUNK_BYTES // (self.in_features * x.element_size()))
         buffer = _scratch(chunk * self.in_features, x.dtype).view(chunk, self.in_features)
         if n <= chunk:
             return F.linear(x, self.dequantize_rows(slice(None), x.dtype, out=buffer))
@@ -182,22 +179,17 @@ class QuantizedLinear(nn.Module):
             y[:, rows] = F.linear(x, self.dequantize_rows(rows, x.dtype, out=buffer[: rows.stop - rows.start]))
         return y
 
-    def _transposed_matmul(self, x: torch.Tensor, chunk: int) -> torch.Tensor:  # [M, K] -> [M, N]
-        """x @ W^T with W^T rebuilt by the C kernel from the int4pack layout (bfloat16) or the
-        nibble blocks (float32), `chunk` columns (a multiple of block_n) at a time."""
+    def _int4pack_dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bfloat16 -> [M, N]
+        """x @ W^T with W^T rebuilt by the C kernel from the int4pack layout, CHUNK_ROWS columns at a time."""
         n, k = self.out_features, self.in_features
-        buffer = _scratch(chunk * k, x.dtype)
+        chunk = min(n, CHUNK_ROWS)
+        buffer = _scratch(chunk * k, torch.bfloat16)
         y = x.new_empty(x.shape[0], n) if n > chunk else None  # [M, N]
         for r in range(0, n, chunk):
             cols = slice(r, min(r + chunk, n))
             width = cols.stop - cols.start
-            out = buffer[: k * width].view(k, width)
-            if self.form == "int4pack":
-                w_t = group_gemv.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
-                                                     cols, out=out)  # fmt: skip
-            else:
-                w_t = group_gemv.nibble_blocks_dequantize_t(self.codes, self.scales, getattr(self, "mins", None),
-                                                            self.block_n, columns=cols, out=out)  # fmt: skip
+            w_t = group_gemv.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
+                                                 cols, out=buffer[: k * width].view(k, width))  # fmt: skip
             if y is None:
                 return torch.mm(x, w_t)
             y[:, cols] = torch.mm(x, w_t)
