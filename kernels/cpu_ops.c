@@ -25,7 +25,7 @@
 #include <string.h>
 
 #include "c_parts.h"
-#include "nibble_blocks.h"
+#include "code_blocks.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -611,8 +611,8 @@ int paged_decode_attention_parts(const void *q, int64_t q_stride, const void *k_
  * (kernels/group_gemv.py int4pack_dequantize's reading, block_n rows per block, w = (q - 8) *
  * scale + zero) or, with float32 activations, GGUF's codes with float16 / float32 scales and mins
  * (w = scale * q + min) in GGUF's nibble order (the C GEMV's layout) or in row blocks
- * (nibble_blocks.h: ATen's int4pack order, scales [G, N]). Their sums run in another order than the eager
- * kernels', so outputs agree with the eager path to rounding, not bit for bit. */
+ * (code_blocks.h, 4-bit: ATen's int4pack order, scales [G, N]). Their sums run in another order
+ * than the eager kernels', so outputs agree with the eager path to rounding, not bit for bit. */
 
 typedef struct {
     const void *input_norm, *post_norm;               /* [hidden] in the activation dtype */
@@ -796,8 +796,8 @@ static void gemv_run(const Gemv *g, int64_t begin, int64_t end) {
     if (g->format == FORMAT_INT4PACK)
         int4pack_gemv(g->codes, g->sz, g->n, g->k, g->group, g->block_n, g->x, g->y, begin, end);
     else if (g->format == FORMAT_BLOCKS) /* shapes checked by decode_token */
-        nb_gemv(g->codes, g->sz, g->mins, g->half, g->x, g->xsum, g->y, 1, g->n, g->k, g->group, g->block_n, begin,
-                end);
+        cb_gemv(g->codes, 4, g->sz, g->mins, g->half, g->x, g->xsum, g->y, 1, g->n, g->k, g->group, g->block_n,
+                begin, end);
     else
         nibble_gemv(g->codes, g->sz, g->mins, g->half, g->k, g->group, g->x, g->xsum, g->y, begin, end);
 }

@@ -298,7 +298,7 @@ def paged_prefill_attention(
 class Int4Layer(ctypes.Structure):
     """One Llama layer's tensors for int4_llama_decode_token (cpu_ops.c's Int4Layer): addresses of
     the norm weights, each projection's 4-bit codes with their scales (int4pack: [G, N, 2] bfloat16
-    scale and zero; GGUF nibbles: [N, G] scales and, or 0, mins; nibble blocks: [G, N] scales and
+    scale and zero; GGUF nibbles: [N, G] scales and, or 0, mins; 4-bit code blocks: [G, N] scales and
     mins), and the layer's KV cache."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
@@ -306,7 +306,7 @@ class Int4Layer(ctypes.Structure):
         "qkv_min", "o_min", "gate_up_min", "down_min", "k_cache", "v_cache")]  # fmt: skip
 
 
-# Int4Dims.format: int4pack with bf16 activations; GGUF nibbles or nibble blocks with float32
+# Int4Dims.format: int4pack with bf16 activations; GGUF nibbles or 4-bit code blocks with float32
 FORMAT_INT4PACK, FORMAT_NIBBLES, FORMAT_BLOCKS = 0, 1, 2
 
 

@@ -11,8 +11,8 @@
  * every row of x, and each group's products are scaled lane by lane (no horizontal sum until the
  * row's end). Sums in float32 with fused multiply-adds.
  *
- * A third layout, 4-bit codes in row blocks with group-major scales (nibble_blocks.h), has its GEMV,
- * GEMM and row gather exported here as nibble_blocks_*.
+ * A third layout, 4-bit codes in row blocks with group-major scales (code_blocks.h), has its GEMV,
+ * GEMM and row gather exported here as blocks_*.
  *
  * Built with -march=native: AVX-512 or AVX2 where the compiler targets them, a scalar loop otherwise.
  */
@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "c_parts.h"
-#include "nibble_blocks.h"
+#include "code_blocks.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -427,48 +427,47 @@ int int4pack_dequantize_parts(const uint8_t *packed, const uint16_t *scales_zero
     RUN_PARTS(int4pack_dequantize(packed, scales_zeros, n, k, group, block_n, n_begin, n_end, begin, end, out))
 }
 
-/* nibble blocks (nibble_blocks.h): rows [begin, end) of y, multiples of block_n */
-int nibble_blocks_gemv(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x,
-                       const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
-                       int64_t begin, int64_t end) {
-    return nb_gemv(packed, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end);
+/* code blocks (code_blocks.h), 4- or 8-bit: y = x W^T for rows [begin, end) of y (multiples of
+ * block_n), a few rows of x (GEMV) or more (GEMM); rows of W gathered into out rows [out_begin, out_end) */
+int blocks_gemv(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, const float *x,
+                const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                int64_t begin, int64_t end) {
+    return cb_gemv(packed, bits, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end);
 }
 
-/* y = x W^T for rounds of several rows of x, rows [begin, end) of W; -1 without vector loops for block_n */
-int nibble_blocks_gemm(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x, float *y,
-                       int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, int64_t begin, int64_t end) {
-    return nb_gemm(packed, scale, mins, half, x, y, m, n, k, group, block_n, begin, end);
+int blocks_gemm(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, const float *x,
+                float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, int64_t begin, int64_t end) {
+    return cb_gemm(packed, bits, scale, mins, half, x, y, m, n, k, group, block_n, begin, end);
 }
 
-int nibble_blocks_gemm_parts(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x,
-                             float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
-                             const int64_t *bounds, int64_t parts) {
-    RUN_PARTS(nb_gemm(packed, scale, mins, half, x, y, m, n, k, group, block_n, begin, end))
+int blocks_gather(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, int64_t n, int64_t k,
+                  int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin, int64_t out_begin,
+                  int64_t out_end, float *out) {
+    return cb_gather(packed, bits, scale, mins, half, n, k, group, block_n, rows, row_begin, out_begin, out_end, out);
 }
 
-/* rows of W (gathered, or from row_begin) into out rows [out_begin, out_end) */
-int nibble_blocks_gather(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n, int64_t k,
-                         int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin, int64_t out_begin,
-                         int64_t out_end, float *out) {
-    return nb_gather(packed, scale, mins, half, n, k, group, block_n, rows, row_begin, out_begin, out_end, out);
+int blocks_gemv_parts(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, const float *x,
+                      const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                      const int64_t *bounds, int64_t parts) {
+    RUN_PARTS(cb_gemv(packed, bits, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end))
 }
 
-int nibble_blocks_gemv_parts(const uint8_t *packed, const void *scale, const void *mins, int half, const float *x,
-                             const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
-                             int64_t block_n, const int64_t *bounds, int64_t parts) {
-    RUN_PARTS(nb_gemv(packed, scale, mins, half, x, xsum, y, m, n, k, group, block_n, begin, end))
+int blocks_gemm_parts(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, const float *x,
+                      float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, const int64_t *bounds,
+                      int64_t parts) {
+    RUN_PARTS(cb_gemm(packed, bits, scale, mins, half, x, y, m, n, k, group, block_n, begin, end))
 }
 
-int nibble_blocks_gather_parts(const uint8_t *packed, const void *scale, const void *mins, int half, int64_t n,
-                               int64_t k, int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin,
-                               const int64_t *bounds, int64_t parts, float *out) {
-    RUN_PARTS(nb_gather(packed, scale, mins, half, n, k, group, block_n, rows, row_begin, begin, end, out))
+int blocks_gather_parts(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, int64_t n,
+                        int64_t k, int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin,
+                        const int64_t *bounds, int64_t parts, float *out) {
+    RUN_PARTS(cb_gather(packed, bits, scale, mins, half, n, k, group, block_n, rows, row_begin, begin, end, out))
 }
 
-/* the row block the vector loops of nibble_blocks.h read (4 vectors of float32 lanes), 0 without them */
-int nibble_blocks_block_n(void) {
-#ifdef NB_LANES
-    return 4 * NB_LANES;
+/* the row block the vector loops of code_blocks.h read (4 vectors of float32 lanes), 0 without them */
+int blocks_block_n(void) {
+#ifdef CB_LANES
+    return 4 * CB_LANES;
 #else
     return 0;
 #endif

@@ -55,17 +55,17 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.int4pack_dequantize.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr]
     lib.int4pack_dequantize.restype = i32
     lib.group_gemv_width.restype = i32
-    lib.nibble_blocks_gemv.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
-    lib.nibble_blocks_gather.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr, i64, i64, i64, ptr]
-    lib.nibble_blocks_gemm.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
-    for name in ("nibble_blocks_gemv", "nibble_blocks_gemm", "nibble_blocks_gather", "nibble_blocks_block_n"):
+    lib.blocks_gemv.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+    lib.blocks_gather.argtypes = [ptr, i32, ptr, ptr, i32, i64, i64, i64, i64, ptr, i64, i64, i64, ptr]
+    lib.blocks_gemm.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+    for name in ("blocks_gemv", "blocks_gemm", "blocks_gather", "blocks_block_n"):
         getattr(lib, name).restype = i32
     declare_parts(lib, "group_gemv", 12)
     declare_parts(lib, "group_dequantize", 7)
     declare_parts(lib, "int4pack_dequantize", 8)
-    declare_parts(lib, "nibble_blocks_gemv", 12)
-    declare_parts(lib, "nibble_blocks_gemm", 11)
-    declare_parts(lib, "nibble_blocks_gather", 10)
+    declare_parts(lib, "blocks_gemv", 13)
+    declare_parts(lib, "blocks_gemm", 12)
+    declare_parts(lib, "blocks_gather", 11)
     log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
              lib.group_gemv_width())  # fmt: skip
     return lib
@@ -193,51 +193,61 @@ def int4pack_dequantize(
     return out if ok else None
 
 
-# -- nibble blocks (nibble_blocks.h): 4-bit codes in row blocks, exact group-major scales -------------
+# -- code blocks (code_blocks.h): 4- or 8-bit codes in row blocks, exact group-major scales ---------
+# 4-bit codes: uint8 [N, K / 2], two rows per byte; 8-bit: int8 [N, K]; scales and mins [G, N].
 
 
-def nibble_blocks_block_n(lib: ctypes.CDLL | None = None) -> int | None:
+def blocks_block_n(lib: ctypes.CDLL | None = None) -> int | None:
     """The row block the C library's vector loops read (64 with AVX-512, 32 with AVX2), or None
-    (no library, or scalar loops only: weights then keep GGUF's nibble layout)."""
+    (no library, or scalar loops only: weights then keep GGUF's row layouts)."""
     lib = lib or library()
-    return (lib.nibble_blocks_block_n() or None) if lib is not None else None
+    return (lib.blocks_block_n() or None) if lib is not None else None
 
 
-def nibble_blocks_from_codes(codes: torch.Tensor, block_n: int) -> torch.Tensor:  # [N, K] 0..15 -> [N, K / 2]
-    """Per block of block_n rows, per column, block_n / 2 bytes: byte j = row j | row block_n / 2 + j << 4."""
+def blocks_from_codes(codes: torch.Tensor, block_n: int, bits: int = 4) -> torch.Tensor:
+    """[N, K] codes (0..15 for 4 bits, int8 for 8) in row blocks: per block of block_n rows, per
+    column, block_n / 2 bytes (byte j = row j | row block_n / 2 + j << 4) or block_n bytes."""
     n, k = codes.shape
-    if n % block_n or block_n % 2:
-        raise ValueError(f"nibble blocks: {n} rows are not blocks of {block_n}")
+    if n % block_n or block_n % 2 or bits not in (4, 8):
+        raise ValueError(f"code blocks: {n} rows are not blocks of {block_n}, or {bits} bits")
+    if bits == 8:
+        return codes.to(torch.int8).view(n // block_n, block_n, k).transpose(1, 2).reshape(n, k).contiguous()
     c = codes.to(torch.uint8).view(n // block_n, 2, block_n // 2, k).permute(0, 3, 1, 2)  # [NB, K, 2, half]
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
-def codes_from_nibble_blocks(packed: torch.Tensor, block_n: int) -> torch.Tensor:  # [N, K / 2] -> [N, K] uint8
+def codes_from_blocks(packed: torch.Tensor, block_n: int) -> torch.Tensor:  # -> [N, K] uint8 (4-bit) or int8
+    if packed.dtype == torch.int8:
+        n, k = packed.shape
+        return packed.view(n // block_n, k, block_n).transpose(1, 2).reshape(n, k)
     n, half_k = packed.shape
     p = packed.view(n // block_n, half_k * 2, 1, block_n // 2)  # [NB, K, 1, half]
     return torch.cat((p & 0x0F, p >> 4), dim=2).permute(0, 2, 3, 1).reshape(n, half_k * 2)
 
 
 def _blocks_args(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, block_n: int) -> tuple:
-    """(packed, scale, mins, half, n, k, group) after the checks every entry point shares."""
+    """(packed, bits, scale, mins, half, n, k, group) after the checks every entry point shares;
+    the codes' dtype says their width (uint8: 4-bit pairs, int8: 8-bit)."""
     num_groups, n = scale.shape  # [G, N]
-    k = packed.shape[1] * 2
-    if packed.dtype != torch.uint8 or packed.shape[0] != n or k % num_groups or n % block_n:
-        raise ValueError(f"nibble blocks: packed {tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)}, "
+    bits = {torch.uint8: 4, torch.int8: 8}.get(packed.dtype, 0)
+    k = packed.shape[1] * (2 if bits == 4 else 1)
+    if not bits or packed.shape[0] != n or k % num_groups or n % block_n:
+        raise ValueError(f"code blocks: packed {tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)}, "
                          f"blocks of {block_n}")  # fmt: skip
     if scale.dtype not in (torch.float16, torch.float32) or (mins is not None and mins.dtype != scale.dtype):
-        raise ValueError("nibble blocks: scale (and mins) must be float16 or float32, of one dtype")
+        raise ValueError("code blocks: scale (and mins) must be float16 or float32, of one dtype")
     if not all(t is None or t.is_contiguous() for t in (packed, scale, mins)) or (
         mins is not None and mins.shape != scale.shape
     ):
-        raise ValueError("nibble blocks: packed, scale and mins must be contiguous, mins shaped like scale")
+        raise ValueError("code blocks: packed, scale and mins must be contiguous, mins shaped like scale")
     mins_ptr = None if mins is None else mins.data_ptr()
-    return packed.data_ptr(), scale.data_ptr(), mins_ptr, int(scale.dtype == torch.float16), n, k, k // num_groups
+    half = int(scale.dtype == torch.float16)
+    return packed.data_ptr(), bits, scale.data_ptr(), mins_ptr, half, n, k, k // num_groups
 
 
-def nibble_blocks_gemv(
+def blocks_gemv(
     x: torch.Tensor,  # [M, K], any floating dtype
-    packed: torch.Tensor,  # [N, K / 2] uint8 (nibble_blocks_from_codes)
+    packed: torch.Tensor,  # [N, K / 2] uint8 or [N, K] int8 (blocks_from_codes)
     scale: torch.Tensor,  # [G, N] float16 or float32
     mins: torch.Tensor | None,  # like scale, or None
     block_n: int,
@@ -245,19 +255,20 @@ def nibble_blocks_gemv(
 ) -> torch.Tensor:  # [M, N] float32
     """y = x @ W^T, W[n, g * group + j] = scale[g, n] * q (+ mins[g, n]), float32 sums."""
     lib = lib or library()
-    codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
+    codes_ptr, bits, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
     m = x.shape[0]
     if x.shape != (m, k):
-        raise ValueError(f"nibble_blocks_gemv: x {tuple(x.shape)} for a [{n}, {k}] weight")
+        raise ValueError(f"blocks_gemv: x {tuple(x.shape)} for a [{n}, {k}] weight")
     xf = x.detach().to(torch.float32).contiguous()
     xsum = xf.view(m, k // group, group).sum(-1) if mins is not None else xf  # [M, G] (unread without mins)
     y = torch.empty(m, n, dtype=torch.float32)
-    args = (codes_ptr, scale_ptr, mins_ptr, half, xf.data_ptr(), xsum.data_ptr(), y.data_ptr(), m, n, k, group, block_n)
-    _run_split(lib, "nibble_blocks_gemv", args, (), _block_ranges(n, block_n, n * k, torch.get_num_threads()))
+    args = (codes_ptr, bits, scale_ptr, mins_ptr, half, xf.data_ptr(), xsum.data_ptr(), y.data_ptr(), m, n, k, group,
+            block_n)  # fmt: skip
+    _run_split(lib, "blocks_gemv", args, (), _block_ranges(n, block_n, n * k, torch.get_num_threads()))
     return y
 
 
-def nibble_blocks_gemm(
+def blocks_gemm(
     x: torch.Tensor,  # [M, K] float32
     packed: torch.Tensor,
     scale: torch.Tensor,  # [G, N]
@@ -266,22 +277,22 @@ def nibble_blocks_gemm(
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [M, N] float32
     """y = x @ W^T for rounds of several rows: each block's W^T rebuilt a slice at a time in cache
-    and multiplied there (nibble_blocks.h nb_gemm); block_n must be the library's own
-    (nibble_blocks_block_n)."""
+    and multiplied there (code_blocks.h cb_gemm); vector loops for the library's own block_n
+    (blocks_block_n), a scalar loop for others."""
     lib = lib or library()
-    codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
+    codes_ptr, bits, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
     m = x.shape[0]
     if x.shape != (m, k) or x.dtype != torch.float32:
-        raise ValueError(f"nibble_blocks_gemm: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight (float32)")
+        raise ValueError(f"blocks_gemm: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight (float32)")
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    args = (codes_ptr, scale_ptr, mins_ptr, half, x.data_ptr(), y.data_ptr(), m, n, k, group, block_n)
+    args = (codes_ptr, bits, scale_ptr, mins_ptr, half, x.data_ptr(), y.data_ptr(), m, n, k, group, block_n)
     parts = _block_ranges(n, block_n, n * k, torch.get_num_threads())
-    _run_split(lib, "nibble_blocks_gemm", args, (), parts)
+    _run_split(lib, "blocks_gemm", args, (), parts)
     return y
 
 
-def nibble_blocks_gather(
+def blocks_gather(
     packed: torch.Tensor,
     scale: torch.Tensor,  # [G, N]
     mins: torch.Tensor | None,
@@ -292,15 +303,15 @@ def nibble_blocks_gather(
 ) -> torch.Tensor:  # [R, K] float32
     """Rows of W in float32: scale * q + min, rounded once (GGUF's dequantized values)."""
     lib = lib or library()
-    codes_ptr, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
+    codes_ptr, bits, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
     index, begin, num = _row_selection(rows, n)
     if out is None:
         out = torch.empty(num, k, dtype=torch.float32)
     if out.shape != (num, k) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"nibble_blocks_gather: out {tuple(out.shape)} {out.dtype}, expected ({num}, {k}) float32")
-    args = (codes_ptr, scale_ptr, mins_ptr, half, n, k, group, block_n,
+        raise ValueError(f"blocks_gather: out {tuple(out.shape)} {out.dtype}, expected ({num}, {k}) float32")
+    args = (codes_ptr, bits, scale_ptr, mins_ptr, half, n, k, group, block_n,
             None if index is None else index.data_ptr(), begin)  # fmt: skip
-    _run_split(lib, "nibble_blocks_gather", args, (out.data_ptr(),), _row_ranges(num, num * k, torch.get_num_threads()))
+    _run_split(lib, "blocks_gather", args, (out.data_ptr(),), _row_ranges(num, num * k, torch.get_num_threads()))
     return out
 
 

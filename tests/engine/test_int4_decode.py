@@ -72,12 +72,13 @@ def test_the_float32_c_decode_matches_hf_logits_and_greedy_tokens(smollm_path, h
                                                                   monkeypatch, layout):  # fmt: skip
     """Float32 projections in nibble blocks (where the C kernels have vector loops), or in GGUF's
     own nibble order (the layout elsewhere: forced here by hiding the blocks' kernels)."""
-    if layout == "blocks" and group_gemv.nibble_blocks_block_n() is None:
+    if layout == "blocks" and group_gemv.blocks_block_n() is None:
         pytest.skip("no vector loops for nibble blocks on this CPU")
     if layout == "nibbles":
-        monkeypatch.setattr(group_gemv, "nibble_blocks_block_n", lambda lib=None: None)
+        monkeypatch.setattr(group_gemv, "blocks_block_n", lambda lib=None: None)
     llm32 = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=64, show_progress=False)
-    assert {m.form for m in llm32.engine.model.modules() if hasattr(m, "form")} == {layout, "int8"}
+    forms = {"blocks": {"blocks"}, "nibbles": {"nibbles", "int8"}}[layout]  # the Q8_0 embedding too
+    assert {m.form for m in llm32.engine.model.modules() if hasattr(m, "form")} == forms
     calls = []
     real = cpu_ops.int4_llama_decode_token
     monkeypatch.setattr(cpu_ops, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))

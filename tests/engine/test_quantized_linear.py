@@ -65,19 +65,20 @@ def test_blocks_read_as_codes_and_scales_dequantize_bit_for_bit_like_gguf(qtype)
     assert torch.equal(ours, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[qtype])))
 
 
-def four_bit_float32_form(n: int) -> str:
-    """The form 4-bit weights of n rows take with float32 activations on this machine."""
-    block_n = group_gemv.nibble_blocks_block_n()
-    return "blocks" if block_n and n % block_n == 0 else "nibbles"
+def float32_form(qtype: str, n: int) -> str:
+    """The form weights of n rows take with float32 activations on this machine."""
+    block_n = group_gemv.blocks_block_n()
+    if block_n and n % block_n == 0:
+        return "blocks"
+    return "nibbles" if qtype.startswith("Q4") else "int8"
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("num_tokens", [1, 16])  # the C GEMV, dequantize + dense
-@pytest.mark.parametrize("n", [128, 80])  # 4-bit: nibble blocks (with AVX2 or AVX-512), GGUF's nibble order
+@pytest.mark.parametrize("n", [128, 80])  # code blocks (with AVX2 or AVX-512), GGUF's row layouts
 def test_float32_matmul_equals_the_float64_product_with_ggufs_weights_within_float32_rounding(qtype, num_tokens, n):
     module, data = loaded(qtype, torch.float32, n=n)
-    if qtype.startswith("Q4"):
-        assert module.form == four_bit_float32_form(n)
+    assert module.form == float32_form(qtype, n)
     x = torch.randn(num_tokens, K, generator=torch.Generator().manual_seed(1))
     w = reference(data, qtype)
     bound = (x.double().abs() @ w.abs().T) * 1e-5  # a few float32 ulps of the summed magnitudes
@@ -110,7 +111,8 @@ def test_four_bit_weights_use_the_int4pack_kernel_in_bfloat16_and_dequantize_per
     assert loaded("Q4_1", torch.bfloat16)[0].form == "int4pack"
     assert loaded("Q4_K", torch.bfloat16)[0].form == "int4pack"
     assert loaded("Q4_1", torch.float32, n=80)[0].form == "nibbles"  # 80 rows: blocks of neither 32 nor 64
-    assert loaded("Q4_1", torch.float32, n=128)[0].form == four_bit_float32_form(128)
+    assert loaded("Q4_1", torch.float32, n=128)[0].form == float32_form("Q4_1", 128)
+    assert loaded("Q8_0", torch.float32, n=128)[0].form == float32_form("Q8_0", 128)
     assert loaded("Q4_1", torch.bfloat16, gather=True)[0].form == "nibbles"  # embeddings gather rows
     assert loaded("Q6_K", torch.bfloat16)[0].form == "int8"
 
@@ -209,14 +211,14 @@ def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype, 
 def test_float32_four_bit_rounds_run_the_blocks_gemv_then_the_blocks_gemm(qtype, monkeypatch):
     """Nibble blocks: up to BLOCKS_GEMV_MAX_M rows run the blocks' GEMV, more the blocks' GEMM; both
     within float32 rounding of GGUF's weights in float64, and no full-precision weight is kept."""
-    block_n = group_gemv.nibble_blocks_block_n()
+    block_n = group_gemv.blocks_block_n()
     if block_n is None:
         pytest.skip("no vector loops for nibble blocks on this CPU")
     module, data = loaded(qtype, torch.float32, n=640)
     assert module.form == "blocks" and module.block_n == block_n and module.scales.shape == (K // 32, 640)
     assert stored_bytes(module) <= MAX_BYTES_RATIO[qtype] * data.nbytes
     calls = []
-    for name in ("nibble_blocks_gemv", "nibble_blocks_gemm"):
+    for name in ("blocks_gemv", "blocks_gemm"):
         real = getattr(group_gemv, name)
         monkeypatch.setattr(group_gemv, name, lambda x, *a, real=real, name=name, **k:
                             calls.append((name, x.shape[0])) or real(x, *a, **k))  # fmt: skip
@@ -228,7 +230,7 @@ def test_float32_four_bit_rounds_run_the_blocks_gemv_then_the_blocks_gemm(qtype,
         assert y.dtype == torch.float32 and y.shape == (m, 640)
         assert ((y.double() - x.double() @ w.T).abs() <= (x.double().abs() @ w.abs().T) * 1e-5).all()
     gemv_rows = [m for m in rows if m <= quantized_linear.BLOCKS_GEMV_MAX_M]
-    assert calls == [("nibble_blocks_gemv" if m in gemv_rows else "nibble_blocks_gemm", m) for m in rows]
+    assert calls == [("blocks_gemv" if m in gemv_rows else "blocks_gemm", m) for m in rows]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])

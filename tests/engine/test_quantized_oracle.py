@@ -36,8 +36,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def test_float32_quantized_model_matches_hf_logits_and_greedy_tokens(smollm_path, prompt_ids, teacher_forced):
     llm = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=64, show_progress=False)
     forms = {m.form for m in llm.engine.model.modules() if hasattr(m, "form")}
-    four_bit = "blocks" if group_gemv.nibble_blocks_block_n() else "nibbles"  # SmolLM2's N: multiples of 64
-    assert forms == {four_bit, "int8"}  # Q4_1 projections, Q8_0 tied embedding: no dense copy
+    # Q4_1 projections and the Q8_0 tied embedding (SmolLM2's N: multiples of 64): no dense copy
+    assert forms == ({"blocks"} if group_gemv.blocks_block_n() else {"nibbles", "int8"})
     sequences, refs = teacher_forced
     for prompt, seq, ours, ref in zip(prompt_ids, sequences, prefill_logits(llm, sequences), refs):
         assert max_rel_error(ours, ref) < FLOAT32_BOUND
@@ -98,6 +98,6 @@ def test_float32_by_default_keeps_the_file_quantized_under_1_25x(smollm_path):
     if group_gemv.library() is None:
         pytest.skip("no C compiler here: float32 dequantizes at load")
     llm = LLM(smollm_path, dtype="float32", num_blocks=16, show_progress=False)
-    four_bit = "blocks" if group_gemv.nibble_blocks_block_n() else "nibbles"
-    assert {m.form for m in llm.engine.model.modules() if hasattr(m, "form")} == {four_bit, "int8"}
+    forms = {"blocks"} if group_gemv.blocks_block_n() else {"nibbles", "int8"}
+    assert {m.form for m in llm.engine.model.modules() if hasattr(m, "form")} == forms
     assert weight_bytes(llm.engine.model) <= 1.25 * os.path.getsize(smollm_path)

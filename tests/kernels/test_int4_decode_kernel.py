@@ -51,7 +51,7 @@ def _projection(layout: str, n: int, k: int, seed: int):
     mins = (torch.randn(n, k // GROUP, generator=gen) * 1e-2).half()
     w = codes.double().view(n, -1, GROUP) * scale.double()[..., None] + mins.double()[..., None]
     if layout.startswith("blocks"):
-        packed = group_gemv.nibble_blocks_from_codes(codes, int(layout.split("-")[1]))
+        packed = group_gemv.blocks_from_codes(codes, int(layout.split("-")[1]))
         return packed, scale.t().contiguous(), mins.t().contiguous(), w.view(n, k)
     return group_gemv.nibbles_from_codes(codes), scale, mins, w.view(n, k)
 

@@ -13,14 +13,14 @@ three storage forms, and with it the kernel:
   rebuilds W^T from the int4pack layout in C (kernels/group_gemv.py `int4pack_dequantize`, 0.18
   ms) and multiplies densely in bf16 (1.2 ms). That needs N to be a multiple of the layout's row
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
-- `blocks` (4-bit codes with float32 activations, N a multiple of the C kernels' row block: 64
-  with AVX-512, 32 with AVX2): the codes in row blocks (kernels/nibble_blocks.h: int4pack's code
-  order), exact float16 / float32 scales and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the
+- `blocks` (4- and 8-bit codes with float32 activations, N a multiple of the C kernels' row
+  block: 64 with AVX-512, 32 with AVX2): the codes in row blocks (kernels/code_blocks.h; 4-bit
+  ones in int4pack's code order), exact float16 / float32 scales and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the
   blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order), more the blocks' C
   GEMM, which rebuilds each block's W^T a slice at a time in cache and multiplies it there (at 64
   rows 1.4x a rebuilt weight through MKL, 1.6x at two threads); an embedding gathers its rows.
-  The same values as `nibbles`.
-- `int8` (8-bit codes: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
+  The same values as `int8` / `nibbles`.
+- `int8` (8-bit codes otherwise: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
 - `nibbles` (4-bit codes otherwise: bfloat16 gathered embeddings, shapes the blocks do not fit,
   CPUs without AVX2): two codes per byte in kernels/group_gemv.c's order (GGUF's own), scales and
   mins [N, G].
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 INT4PACK_GROUPS = (32, 64, 128, 256)  # group sizes _weight_int4pack_mm_for_cpu takes
 GEMV_MAX_M = 8  # above this many rows, dequantize + dense beats the C GEMV (it re-reads the weight per 8 rows)
-# nibble blocks: the GEMV up to this many rows, the blocks' GEMM above (SmolLM2's gate_up, one
+# code blocks: the GEMV up to this many rows, the blocks' GEMM above (SmolLM2's gate_up, one
 # thread: 1 row 0.10 against 0.15 ms, 2 rows even, 4 rows 0.35 against 0.28, 8 rows 0.61 against 0.39)
 BLOCKS_GEMV_MAX_M = 2
 CHUNK_ROWS = 8192  # weights with more rows than this (an lm_head) are dequantized and multiplied in chunks
@@ -69,7 +69,7 @@ def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather:
     cpu = torch.device(device).type == "cpu"
     if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
         return "int4pack"
-    block_n = group_gemv.nibble_blocks_block_n() if cpu and weight.bits == 4 and dtype == torch.float32 else None
+    block_n = group_gemv.blocks_block_n() if cpu and dtype == torch.float32 else None
     if block_n and weight.shape[0] % block_n == 0 and weight.group_size <= 256:
         return "blocks"
     form = "int8" if weight.bits == 8 else "nibbles"
@@ -101,7 +101,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.form, self.qtype, self.group_size = "", "", 0  # set by load()
+        self.form, self.qtype, self.group_size, self.bits = "", "", 0, 0  # set by load()
         self.block_n: int | None = None  # int4pack (if the C kernel reads it) and blocks: the layout's row blocks
 
     @classmethod
@@ -114,10 +114,11 @@ class QuantizedLinear(nn.Module):
         if (n, k) != (self.out_features, self.in_features) or k % weight.group_size:
             raise ValueError(f"{weight.qtype} weight {(n, k)} does not fit a [{self.out_features}, "
                              f"{self.in_features}] projection in groups of {weight.group_size}")  # fmt: skip
-        self.form, self.qtype, self.group_size = (
+        self.form, self.qtype, self.group_size, self.bits = (
             choose_form(weight, dtype, device, gather),
             weight.qtype,
             weight.group_size,
+            weight.bits,
         )
         if self.form == "int4pack":
             minimum = weight.min if weight.min is not None else torch.zeros_like(weight.scale)
@@ -130,9 +131,9 @@ class QuantizedLinear(nn.Module):
             if self.block_n is None:
                 _log_once(weight.qtype, dtype, f"int4pack at every row count ({n} rows, layout blocks {block_n})")
         elif self.form == "blocks":
-            self.block_n = group_gemv.nibble_blocks_block_n()
+            self.block_n = group_gemv.blocks_block_n()
             scales, mins = _exact_pair(weight.scale, weight.min)
-            self.register_buffer("codes", group_gemv.nibble_blocks_from_codes(weight.codes, self.block_n))
+            self.register_buffer("codes", group_gemv.blocks_from_codes(weight.codes, self.block_n, weight.bits))
             self.register_buffer("scales", scales.t().contiguous())  # [G, N]
             if mins is not None:
                 self.register_buffer("mins", mins.t().contiguous())  # [G, N]
@@ -157,9 +158,7 @@ class QuantizedLinear(nn.Module):
         elif self.form == "int4pack":
             y = self._int4pack_dequantized_matmul(x2)
         elif self.form == "blocks":
-            multiply = (
-                group_gemv.nibble_blocks_gemv if x2.shape[0] <= BLOCKS_GEMV_MAX_M else group_gemv.nibble_blocks_gemm
-            )
+            multiply = group_gemv.blocks_gemv if x2.shape[0] <= BLOCKS_GEMV_MAX_M else group_gemv.blocks_gemm
             y = multiply(x2, self.codes, self.scales, getattr(self, "mins", None), self.block_n)
         elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
             y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
@@ -207,8 +206,8 @@ class QuantizedLinear(nn.Module):
         if self.form == "blocks":
             mins = getattr(self, "mins", None)
             if dtype == torch.float32:
-                return group_gemv.nibble_blocks_gather(self.codes, self.scales, mins, self.block_n, rows, out)
-            w = group_gemv.nibble_blocks_gather(self.codes, self.scales, mins, self.block_n, rows)
+                return group_gemv.blocks_gather(self.codes, self.scales, mins, self.block_n, rows, out)
+            w = group_gemv.blocks_gather(self.codes, self.scales, mins, self.block_n, rows)
             return w.to(dtype) if out is None else out.copy_(w)
         if dtype in (torch.float32, torch.bfloat16) and not self.codes.is_cuda and group_gemv.library() is not None:
             return group_gemv.dequantize(self.codes, self.scales, getattr(self, "mins", None), dtype, rows, out)
@@ -218,7 +217,7 @@ class QuantizedLinear(nn.Module):
         self, rows: slice | torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [R, K]: dequantize_rows without the C kernel (the same values)
         blocks = self.form == "blocks"  # codes in row blocks, scales [G, N]
-        codes = group_gemv.codes_from_nibble_blocks(self.codes, self.block_n)[rows] if blocks else self.codes[rows]
+        codes = group_gemv.codes_from_blocks(self.codes, self.block_n)[rows] if blocks else self.codes[rows]
         if self.form == "nibbles":
             codes = group_gemv.codes_from_nibbles(codes)
         r = codes.shape[0]

@@ -1,7 +1,7 @@
 """A decode round of one request through a Llama stack whose projections are GGUF 4-bit weights on
-the CPU (int4pack with bfloat16 activations; GGUF's nibbles or nibble blocks with float32 ones) in one C
-call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and module calls per
-layer.
+the CPU (int4pack with bfloat16 activations; GGUF's nibbles or 4-bit code blocks with float32
+ones) in one C call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and
+module calls per layer.
 
 At one token per round the eager stack spends more time dispatching ops than moving weights
 (SmolLM2-135M, one thread: ~6 ms of a 16 ms step); the C call runs the same operations, rounded to
@@ -109,7 +109,7 @@ class Int4Decode:
 
 def _unsupported(model: nn.Module) -> str | None:
     """Why the C call cannot run this model's stack, or None. It reads int4pack projections with
-    bfloat16 activations, or GGUF nibble (groups of 32) or nibble-block projections with float32
+    bfloat16 activations, or GGUF nibble (groups of 32) or 4-bit code-block projections with float32
     activations."""
     if cpu_ops.library() is None:
         return "no C compiler"
@@ -139,7 +139,9 @@ def _unsupported(model: nn.Module) -> str | None:
 
 
 def _readable(p: QuantizedLinear) -> bool:
-    if p.form in ("int4pack", "blocks"):
+    if p.form == "blocks":
+        return p.bits == 4
+    if p.form == "int4pack":
         return bool(p.block_n)
     return p.form == "nibbles" and p.group_size % 32 == 0 and not p.codes.is_cuda
 
