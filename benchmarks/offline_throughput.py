@@ -10,8 +10,8 @@ Greedy, ignore_eos, `--max-tokens` new tokens per request, at 1 request and at e
   every layer in one C call (models/llama_int4_decode.py), larger rounds the eager layers with
   int4pack up to 8 rows and C-rebuilt weights + dense bf16 matmuls above;
 - moemesh quantized float32: float32 activations on the same quantized weights (what "auto" picks
-  without native bf16: 4-bit codes in row blocks, kernels/code_blocks.h, with one C call per
-  token at one request, the blocks' C GEMV up to 8 rows, W^T rebuilt in C above);
+  without native bf16: the codes in row blocks, kernels/code_blocks.h, with one C call per
+  token at one request, the blocks' C GEMV up to 2 rows and C GEMM above);
 - moemesh float32: weights dequantized to float32 at load;
 - HF static batching (`generate` with left padding, one batch) and HF continuous batching
   (`generate_batch`), both on the file dequantized to the row's dtype;
