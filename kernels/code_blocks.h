@@ -290,9 +290,10 @@ static void cb_dequantize_block(const uint8_t *packed, int bits, const void *sca
             for (int j = 0; j < 4; j++) acc[r][j] = first ? CB_ZERO() : CB_LOAD(y + r * ldy + j * CB_LANES);         \
         for (int64_t kk = 0; kk < kc; kk++) {                                                                       \
             const float *p = panel + kk * 4 * CB_LANES;                                                             \
-            for (int j = 0; j < 4; j++) {                                                                           \
-                CB_VEC w = CB_LOAD(p + j * CB_LANES);                                                               \
-                for (int r = 0; r < R; r++) acc[r][j] = CB_FMA(CB_SET1(x[r * ldx + kk]), w, acc[r][j]);             \
+            CB_VEC w[4] = {CB_LOAD(p), CB_LOAD(p + CB_LANES), CB_LOAD(p + 2 * CB_LANES), CB_LOAD(p + 3 * CB_LANES)}; \
+            for (int r = 0; r < R; r++) { /* one broadcast register: 4 * R sums + 5 fit the 32 (16) registers */     \
+                CB_VEC xr = CB_SET1(x[r * ldx + kk]);                                                               \
+                for (int j = 0; j < 4; j++) acc[r][j] = CB_FMA(xr, w[j], acc[r][j]);                                \
             }                                                                                                       \
         }                                                                                                           \
         for (int r = 0; r < R; r++)                                                                                 \
@@ -361,6 +362,93 @@ CB_API int cb_gemm(const uint8_t *packed, int bits, const void *scale, const voi
             }
         }
     return 0;
+}
+
+/* ---- The GEMM for bfloat16 x with AVX512-BF16: the same panels, rounded to bfloat16 (as a
+ * bfloat16 copy of the weight would be) and interleaved in column pairs, multiplied with
+ * vdpbf16ps (two products per float32 lane and instruction: twice the float32 tile's rate) into
+ * float32 sums. */
+#if defined(__AVX512BF16__) && defined(CB_LANES) && CB_LANES == 16
+#define CB_BF16_GEMM 1
+
+/* lane j: bf16(lo[j]) in the low half, bf16(hi[j]) in the high half (round to nearest even) */
+static inline __m512i cb_bf16_pairs(__m512 lo, __m512 hi) {
+    __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+    __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+    return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+/* rows r < R of y[.., 0 .. 64) += x[r, 0 .. 2 * pairs) . panel (set when `first`); x bfloat16 */
+#define CB_TILE_BF16(R)                                                                                             \
+    static inline void cb_tile_bf16_##R(const uint16_t *x, int64_t ldx, const __m512i *panel, int64_t pairs,       \
+                                        float *y, int64_t ldy, int first) {                                         \
+        __m512 acc[R][4];                                                                                           \
+        for (int r = 0; r < R; r++)                                                                                 \
+            for (int j = 0; j < 4; j++) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + j * 16); \
+        for (int64_t p = 0; p < pairs; p++) {                                                                       \
+            __m512bh w[4];                                                                                          \
+            for (int j = 0; j < 4; j++) w[j] = (__m512bh)_mm512_load_si512(panel + p * 4 + j);                     \
+            for (int r = 0; r < R; r++) { /* one broadcast register: 24 sums + 5 fit the 32 registers */             \
+                uint32_t pair;                                                                                      \
+                memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);                                                    \
+                __m512bh xr = (__m512bh)_mm512_set1_epi32((int)pair);                                               \
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, w[j]);                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int r = 0; r < R; r++)                                                                                 \
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + r * ldy + j * 16, acc[r][j]);                          \
+    }
+CB_TILE_BF16(1)
+CB_TILE_BF16(2)
+CB_TILE_BF16(3)
+CB_TILE_BF16(4)
+CB_TILE_BF16(5)
+CB_TILE_BF16(6)
+
+static inline void cb_tile_bf16(int rows, const uint16_t *x, int64_t ldx, const __m512i *panel, int64_t pairs,
+                                float *y, int64_t ldy, int first) {
+    switch (rows) {
+    case 1: cb_tile_bf16_1(x, ldx, panel, pairs, y, ldy, first); break;
+    case 2: cb_tile_bf16_2(x, ldx, panel, pairs, y, ldy, first); break;
+    case 3: cb_tile_bf16_3(x, ldx, panel, pairs, y, ldy, first); break;
+    case 4: cb_tile_bf16_4(x, ldx, panel, pairs, y, ldy, first); break;
+    case 5: cb_tile_bf16_5(x, ldx, panel, pairs, y, ldy, first); break;
+    case 6: cb_tile_bf16_6(x, ldx, panel, pairs, y, ldy, first); break;
+    }
+}
+#endif
+
+/* y [M, N] float32 = x [M, K] bfloat16 W^T, W rounded to bfloat16, for rows [begin, end) of W.
+ * Returns 0, or -1 without AVX512-BF16, for blocks of other than 64 rows, an odd K, or shapes it
+ * does not take. */
+CB_API int cb_gemm_bf16(const uint8_t *packed, int bits, const void *scale, const void *mins, int half,
+                        const uint16_t *x, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                        int64_t begin, int64_t end) {
+#ifdef CB_BF16_GEMM
+    if (cb_check(bits, n, k, group, block_n) || block_n != 64 || k % 2 || m < 1 || begin < 0 || end > n ||
+        begin > end || begin % block_n || end % block_n)
+        return -1;
+    float weights[CB_KC * 64] __attribute__((aligned(64)));
+    __m512i panel[CB_KC / 2 * 4];
+    for (int64_t nb = begin; nb < end; nb += block_n)
+        for (int64_t k0 = 0; k0 < k; k0 += CB_KC) {
+            int64_t kc = k - k0 < CB_KC ? k - k0 : CB_KC; /* even: k and CB_KC are */
+            cb_dequantize_block(packed, bits, scale, mins, half, n, k, group, block_n, nb, k0, k0 + kc, weights, 64);
+            for (int64_t p = 0; p < kc / 2; p++)
+                for (int j = 0; j < 4; j++)
+                    panel[p * 4 + j] = cb_bf16_pairs(_mm512_load_ps(weights + 2 * p * 64 + j * 16),
+                                                     _mm512_load_ps(weights + (2 * p + 1) * 64 + j * 16));
+            for (int64_t i = 0; i < m; i += 6) {
+                int rows = m - i < 6 ? (int)(m - i) : 6;
+                cb_tile_bf16(rows, x + i * k + k0, k, panel, kc / 2, y + i * n + nb, n, k0 == 0);
+            }
+        }
+    return 0;
+#else
+    (void)packed, (void)bits, (void)scale, (void)mins, (void)half, (void)x, (void)y, (void)m, (void)n, (void)k;
+    (void)group, (void)block_n, (void)begin, (void)end;
+    return -1;
+#endif
 }
 
 /* Rows of W into out [R, K] float32: row i of out is W's row rows[i] (a gather, e.g. an embedding)

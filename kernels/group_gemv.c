@@ -440,6 +440,12 @@ int blocks_gemm(const uint8_t *packed, int bits, const void *scale, const void *
     return cb_gemm(packed, bits, scale, mins, half, x, y, m, n, k, group, block_n, begin, end);
 }
 
+int blocks_gemm_bf16(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, const uint16_t *x,
+                     float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, int64_t begin,
+                     int64_t end) {
+    return cb_gemm_bf16(packed, bits, scale, mins, half, x, y, m, n, k, group, block_n, begin, end);
+}
+
 int blocks_gather(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, int64_t n, int64_t k,
                   int64_t group, int64_t block_n, const int64_t *rows, int64_t row_begin, int64_t out_begin,
                   int64_t out_end, float *out) {
@@ -456,6 +462,21 @@ int blocks_gemm_parts(const uint8_t *packed, int bits, const void *scale, const 
                       float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, const int64_t *bounds,
                       int64_t parts) {
     RUN_PARTS(cb_gemm(packed, bits, scale, mins, half, x, y, m, n, k, group, block_n, begin, end))
+}
+
+int blocks_gemm_bf16_parts(const uint8_t *packed, int bits, const void *scale, const void *mins, int half,
+                           const uint16_t *x, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n,
+                           const int64_t *bounds, int64_t parts) {
+    RUN_PARTS(cb_gemm_bf16(packed, bits, scale, mins, half, x, y, m, n, k, group, block_n, begin, end))
+}
+
+/* 1 where blocks_gemm_bf16 runs (AVX512-BF16), else 0 */
+int blocks_bf16_gemm(void) {
+#ifdef CB_BF16_GEMM
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 int blocks_gather_parts(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, int64_t n,

@@ -58,13 +58,16 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.blocks_gemv.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.blocks_gather.argtypes = [ptr, i32, ptr, ptr, i32, i64, i64, i64, i64, ptr, i64, i64, i64, ptr]
     lib.blocks_gemm.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
-    for name in ("blocks_gemv", "blocks_gemm", "blocks_gather", "blocks_block_n"):
+    lib.blocks_gemm_bf16.argtypes = lib.blocks_gemm.argtypes
+    for name in ("blocks_gemv", "blocks_gemm", "blocks_gemm_bf16", "blocks_gather", "blocks_block_n",
+                 "blocks_bf16_gemm"):  # fmt: skip
         getattr(lib, name).restype = i32
     declare_parts(lib, "group_gemv", 12)
     declare_parts(lib, "group_dequantize", 7)
     declare_parts(lib, "int4pack_dequantize", 8)
     declare_parts(lib, "blocks_gemv", 13)
     declare_parts(lib, "blocks_gemm", 12)
+    declare_parts(lib, "blocks_gemm_bf16", 12)
     declare_parts(lib, "blocks_gather", 11)
     log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
              lib.group_gemv_width())  # fmt: skip
@@ -204,6 +207,13 @@ def blocks_block_n(lib: ctypes.CDLL | None = None) -> int | None:
     return (lib.blocks_block_n() or None) if lib is not None else None
 
 
+def blocks_bf16_gemm(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether blocks_gemm multiplies bfloat16 x with bfloat16 dot products (AVX512-BF16, blocks of
+    64 rows); elsewhere it multiplies bfloat16 x in float32."""
+    lib = lib or library()
+    return lib is not None and bool(lib.blocks_bf16_gemm())
+
+
 def blocks_from_codes(codes: torch.Tensor, block_n: int, bits: int = 4) -> torch.Tensor:
     """[N, K] codes (0..15 for 4 bits, int8 for 8) in row blocks: per block of block_n rows, per
     column, block_n / 2 bytes (byte j = row j | row block_n / 2 + j << 4) or block_n bytes."""
@@ -269,7 +279,7 @@ def blocks_gemv(
 
 
 def blocks_gemm(
-    x: torch.Tensor,  # [M, K] float32
+    x: torch.Tensor,  # [M, K] float32 or bfloat16
     packed: torch.Tensor,
     scale: torch.Tensor,  # [G, N]
     mins: torch.Tensor | None,
@@ -278,17 +288,20 @@ def blocks_gemm(
 ) -> torch.Tensor:  # [M, N] float32
     """y = x @ W^T for rounds of several rows: each block's W^T rebuilt a slice at a time in cache
     and multiplied there (code_blocks.h cb_gemm); vector loops for the library's own block_n
-    (blocks_block_n), a scalar loop for others."""
+    (blocks_block_n), a scalar loop for others. bfloat16 x with blocks_bf16_gemm(): W rounded to
+    bfloat16 and bfloat16 dot products (cb_gemm_bf16), float32 sums; else x is read in float32."""
     lib = lib or library()
     codes_ptr, bits, scale_ptr, mins_ptr, half, n, k, group = _blocks_args(packed, scale, mins, block_n)
     m = x.shape[0]
-    if x.shape != (m, k) or x.dtype != torch.float32:
-        raise ValueError(f"blocks_gemm: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight (float32)")
-    x = x.contiguous()
+    if x.shape != (m, k) or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"blocks_gemm: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight (float32 or bfloat16)")
+    name = "blocks_gemm"
+    if x.dtype == torch.bfloat16 and block_n == 64 and k % 2 == 0 and blocks_bf16_gemm(lib):
+        name = "blocks_gemm_bf16"
+    x = x.to(torch.float32).contiguous() if name == "blocks_gemm" else x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     args = (codes_ptr, bits, scale_ptr, mins_ptr, half, x.data_ptr(), y.data_ptr(), m, n, k, group, block_n)
-    parts = _block_ranges(n, block_n, n * k, torch.get_num_threads())
-    _run_split(lib, "blocks_gemm", args, (), parts)
+    _run_split(lib, name, args, (), _block_ranges(n, block_n, n * k, torch.get_num_threads()))
     return y
 
 

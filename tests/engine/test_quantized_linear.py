@@ -108,8 +108,10 @@ def test_no_full_precision_weight_is_left_and_bytes_stay_near_the_files(qtype, d
 
 
 def test_four_bit_weights_use_the_int4pack_kernel_in_bfloat16_and_dequantize_per_call_in_float32():
-    assert loaded("Q4_1", torch.bfloat16)[0].form == "int4pack"
+    assert loaded("Q4_1", torch.bfloat16)[0].form == "int4pack"  # 96 rows: no blocks of 64
     assert loaded("Q4_K", torch.bfloat16)[0].form == "int4pack"
+    bf16_blocks = group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()  # AVX512-BF16
+    assert loaded("Q4_1", torch.bfloat16, n=128)[0].form == ("blocks" if bf16_blocks else "int4pack")
     assert loaded("Q4_1", torch.float32, n=80)[0].form == "nibbles"  # 80 rows: blocks of neither 32 nor 64
     assert loaded("Q4_1", torch.float32, n=128)[0].form == float32_form("Q4_1", 128)
     assert loaded("Q8_0", torch.float32, n=128)[0].form == float32_form("Q8_0", 128)
@@ -170,9 +172,11 @@ def test_a_tall_weight_is_dequantized_and_multiplied_in_chunks_of_bounded_bytes(
 def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_layout(qtype, monkeypatch):
     """N a multiple of int4pack's row blocks: up to GEMV_MAX_M rows run int4pack's own kernel,
     more rebuild W^T from its layout in C and multiply densely; both within bf16 rounding of GGUF's
-    weights in float64. N = 80 (a multiple of neither 32 nor 64) keeps int4pack at every row count."""
+    weights in float64. N = 80 (a multiple of neither 32 nor 64) keeps int4pack at every row count.
+    (Where AVX512-BF16 gives bfloat16 weights code blocks instead, they are hidden here.)"""
     if group_gemv.library() is None or group_gemv.int4pack_block_n() is None:
         pytest.skip("no C compiler or an unknown int4pack layout here")
+    monkeypatch.setattr(group_gemv, "blocks_bf16_gemm", lambda lib=None: False)
     module, data = loaded(qtype, torch.bfloat16, n=256)
     assert module.form == "int4pack" and module.block_n == group_gemv.int4pack_block_n()
     calls = []
@@ -193,6 +197,23 @@ def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_l
     y, w = odd(x), reference(data, qtype)
     assert odd.block_n is None and not calls
     assert ((y.double() - x.double() @ w.T).abs() <= (x.double().abs() @ w.abs().T) * 2e-2).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_bfloat16_code_blocks_are_within_bfloat16_rounding_of_the_float64_product(qtype):
+    """With AVX512-BF16, bfloat16 weights of 64-row blocks are code blocks: the GEMV (float32 sums
+    of x's values), and the GEMM's bfloat16 dot products of W rounded to bfloat16."""
+    if not (group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()):
+        pytest.skip("no AVX512-BF16 GEMM for code blocks on this CPU")
+    module, data = loaded(qtype, torch.bfloat16, n=128)
+    assert module.form == "blocks"
+    w = reference(data, qtype)
+    for m in (1, 3, 16):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
+        y = module(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 128)
+        bound = (x.double().abs() @ w.abs().T) * 2e-2  # bf16 weights and output: ~2 roundings of 2^-9
+        assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES)

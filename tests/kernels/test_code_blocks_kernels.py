@@ -89,6 +89,21 @@ def test_gather_gives_the_weights_rounded_once_to_float32(build, block_n, bits, 
     assert torch.equal(gg.blocks_gather(packed, scale, mins, block_n, lib=lib), exact)
 
 
+@pytest.mark.parametrize("bits,k,group,scale_dtype,with_mins", CASES)
+def test_the_bfloat16_gemm_matches_the_float64_product_of_the_bfloat16_weights(bits, k, group, scale_dtype, with_mins):
+    """AVX512-BF16: bfloat16 x times W rounded to bfloat16, float32 sums (2 products a lane per
+    instruction); elsewhere bfloat16 x is read in float32 (the float32 GEMM, W not rounded)."""
+    lib = _library("native")
+    packed, scale, mins, w = _weight(128, k, group, scale_dtype, with_mins, 64, bits=bits)
+    weights = w.float().bfloat16().double() if gg.blocks_bf16_gemm(lib) else w
+    for m in (1, 5, 13, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        y = gg.blocks_gemm(x, packed, scale, mins, 64, lib=lib)
+        assert y.dtype == torch.float32 and y.shape == (m, 128)
+        bound = (x.double().abs() @ weights.abs().T) * 1e-6 + 1e-30
+        assert ((y.double() - x.double() @ weights.T).abs() <= bound).all(), m
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_two_threads_give_the_bits_of_one(bits):
     lib = _library("native")
@@ -120,8 +135,8 @@ def test_bad_shapes_rows_and_dtypes_are_refused_with_a_message():
         gg.blocks_gemv(torch.randn(1, 64), packed[:32], scale[:, :32], mins[:, :32], 64, lib=lib)
     with pytest.raises(ValueError, match="one dtype"):
         gg.blocks_gemv(torch.randn(1, 64), packed, scale, mins.float(), 32, lib=lib)
-    with pytest.raises(ValueError, match="float32"):
-        gg.blocks_gemm(torch.randn(4, 64).bfloat16(), packed, scale, mins, 32, lib=lib)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        gg.blocks_gemm(torch.randn(4, 64).half(), packed, scale, mins, 32, lib=lib)
     with pytest.raises(IndexError):
         gg.blocks_gather(packed, scale, mins, 32, torch.tensor([0, 64]), lib=lib)
     with pytest.raises(ValueError, match="rows are not blocks"):

@@ -57,11 +57,13 @@ def _projection(layout: str, n: int, k: int, seed: int):
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize("layout", ["int4pack-32", "int4pack-64", "nibbles", "blocks-32", "blocks-64"])
+@pytest.mark.parametrize("layout", ["int4pack-32", "int4pack-64", "nibbles", "blocks-32", "blocks-64",
+                                    "blocks-64-bf16"])  # fmt: skip
 def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
     lib = _library(build)
-    exact = not layout.startswith("int4pack")  # GGUF's exact scales with float32 activations
-    dtype = torch.float32 if exact else torch.bfloat16  # the activations each layout runs with
+    exact = not layout.startswith("int4pack")  # GGUF's exact scales
+    dtype = torch.bfloat16 if layout.endswith("bf16") or not exact else torch.float32  # the activations'
+    layout = layout.removesuffix("-bf16")
     gen = torch.Generator().manual_seed(5)
     q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     shapes = {"qkv": (q_size + 2 * kv_size, HIDDEN), "o": (HIDDEN, q_size), "gate_up": (2 * INTER, HIDDEN),
@@ -91,8 +93,8 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
     dims = cpu_ops.Int4Dims(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=INTER,
                             group=GROUP, block_n=int(layout.split("-")[1]) if "-" in layout else 0,
                             num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_position=16, rotary_dim=HEAD_DIM,
-                            format=formats[layout.split("-")[0]], bf16=int(not exact), half=int(exact), eps=EPS,
-                            scale=HEAD_DIM**-0.5, cos_sin=cos_sin.data_ptr())  # fmt: skip
+                            format=formats[layout.split("-")[0]], bf16=int(dtype == torch.bfloat16), half=int(exact),
+                            eps=EPS, scale=HEAD_DIM**-0.5, cos_sin=cos_sin.data_ptr())  # fmt: skip
     embedding = torch.randn(HIDDEN, generator=gen).to(dtype)
     runs = []
     for threads in (1, 2):  # 2: a second thread takes half of each GEMV's rows; the same sums
@@ -119,7 +121,7 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
         gate_up = weights["gate_up"] @ _rms(res, w_post.double())
         x = weights["down"] @ (torch.nn.functional.silu(gate_up[:INTER]) * gate_up[INTER:])
     scale = x.abs().max()
-    tol = 1e-4 if exact else 3e-2  # float32 sums only; bf16: roundings after every op
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # float32 sums only; bf16: roundings after every op
     assert (hidden.double() - x).abs().max() <= tol * scale, ((hidden.double() - x).abs().max(), scale)
     assert (residual.double() - res).abs().max() <= tol * res.abs().max()
     stored = [keep[i] for i in range(len(keep)) if keep[i].dim() == 4]  # each layer's K and V cache

@@ -4,7 +4,7 @@ The loader (loader/gguf_quant.py) hands each module a `GroupQuantized` weight (c
 and min per group of columns, loader/gguf_blocks.py) and the activation dtype; `load` picks one of
 three storage forms, and with it the kernel:
 
-- `int4pack` (4-bit codes, groups of 32..256, bfloat16 on CPU): PyTorch's
+- `int4pack` (4-bit codes, groups of 32..256, bfloat16 on a CPU without AVX512-BF16): PyTorch's
   `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group. With GGUF's
   w = scale * q + min that is zero = min + 8 * scale; the pair is stored in bfloat16, the only
   dtype whose x86 kernel is vectorized (float32 runs a scalar loop), so scales are rounded to bf16.
@@ -14,7 +14,9 @@ three storage forms, and with it the kernel:
   ms) and multiplies densely in bf16 (1.2 ms). That needs N to be a multiple of the layout's row
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
 - `blocks` (4- and 8-bit codes with float32 activations, N a multiple of the C kernels' row
-  block: 64 with AVX-512, 32 with AVX2): the codes in row blocks (kernels/code_blocks.h; 4-bit
+  block: 64 with AVX-512, 32 with AVX2; and with bfloat16 activations where AVX512-BF16 gives the
+  GEMM bfloat16 dot products: SmolLM2's projections at 64 rows 1.1x int4pack's rebuild + oneDNN
+  at one thread, 1.5x at two): the codes in row blocks (kernels/code_blocks.h; 4-bit
   ones in int4pack's code order), exact float16 / float32 scales and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the
   blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order), more the blocks' C
   GEMM, which rebuilds each block's W^T a slice at a time in cache and multiplies it there (at 64
@@ -67,11 +69,13 @@ def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather:
     """The storage form for `weight` run with `dtype` activations; `gather`: rows are also read
     one by one (an embedding), which the int4pack layout cannot do."""
     cpu = torch.device(device).type == "cpu"
-    if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
-        return "int4pack"
-    block_n = group_gemv.blocks_block_n() if cpu and dtype == torch.float32 else None
+    block_n = group_gemv.blocks_block_n() if cpu and dtype in (torch.float32, torch.bfloat16) else None
+    if dtype == torch.bfloat16 and not (block_n == 64 and group_gemv.blocks_bf16_gemm()):
+        block_n = None  # bfloat16 x: blocks where their GEMM has bfloat16 dot products (AVX512-BF16)
     if block_n and weight.shape[0] % block_n == 0 and weight.group_size <= 256:
         return "blocks"
+    if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
+        return "int4pack"
     form = "int8" if weight.bits == 8 else "nibbles"
     if form == "nibbles" and weight.group_size % 32:
         raise ValueError(f"{weight.qtype}: 4-bit codes in groups of {weight.group_size} (a multiple of 32 is needed)")
@@ -159,7 +163,7 @@ class QuantizedLinear(nn.Module):
             y = self._int4pack_dequantized_matmul(x2)
         elif self.form == "blocks":
             multiply = group_gemv.blocks_gemv if x2.shape[0] <= BLOCKS_GEMV_MAX_M else group_gemv.blocks_gemm
-            y = multiply(x2, self.codes, self.scales, getattr(self, "mins", None), self.block_n)
+            y = multiply(x2, self.codes, self.scales, getattr(self, "mins", None), self.block_n).to(x2.dtype)
         elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
             y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
         else:

@@ -1,6 +1,6 @@
 """A decode round of one request through a Llama stack whose projections are GGUF 4-bit weights on
-the CPU (int4pack with bfloat16 activations; GGUF's nibbles or 4-bit code blocks with float32
-ones) in one C call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and
+the CPU (int4pack with bfloat16 activations, GGUF's nibbles with float32 ones, 4-bit code blocks
+with either) in one C call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and
 module calls per layer.
 
 At one token per round the eager stack spends more time dispatching ops than moving weights
@@ -58,7 +58,7 @@ class Int4Decode:
             intermediate=first.mlp.down_proj.in_features, group=qkv.group_size, block_n=qkv.block_n or 0,
             num_blocks=attn.attn.k_cache.shape[0], block_size=attn.attn.k_cache.shape[1],
             max_position=cos_sin.shape[0], rotary_dim=cos_sin.shape[1],
-            format=formats[qkv.form], bf16=int(int4pack),
+            format=formats[qkv.form], bf16=int(first.input_layernorm.weight.dtype == torch.bfloat16),
             half=int(not int4pack and qkv.scales.dtype == torch.float16), eps=first.input_layernorm.eps,
             scale=attn.attn.scale, cos_sin=cos_sin.data_ptr(),
         )  # fmt: skip
@@ -107,10 +107,15 @@ class Int4Decode:
         return stack.norm(hidden, residual)[0]
 
 
+# (projection form, activation dtype) pairs the C call reads
+_READS = {("int4pack", torch.bfloat16), ("nibbles", torch.float32), ("blocks", torch.float32),
+          ("blocks", torch.bfloat16)}  # fmt: skip
+
+
 def _unsupported(model: nn.Module) -> str | None:
     """Why the C call cannot run this model's stack, or None. It reads int4pack projections with
-    bfloat16 activations, or GGUF nibble (groups of 32) or 4-bit code-block projections with float32
-    activations."""
+    bfloat16 activations, GGUF nibble projections (groups of 32) with float32 ones, and 4-bit
+    code-block projections with either."""
     if cpu_ops.library() is None:
         return "no C compiler"
     layers = model.model.layers
@@ -124,7 +129,9 @@ def _unsupported(model: nn.Module) -> str | None:
         layouts |= {_layout(p) for p in projections}
         if getattr(a, "q_norm", None) is not None or not a.rotary_emb.is_neox_style:
             return "q/k norms or GPT-J-style rotary"
-        dtype = torch.bfloat16 if projections[0].form == "int4pack" else torch.float32
+        dtype = layers[0].input_layernorm.weight.dtype  # the activations'
+        if (projections[0].form, dtype) not in _READS:
+            return f"{projections[0].form} projections with {dtype} activations"
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
             return f"norm weights not {dtype}"
