@@ -632,28 +632,9 @@ typedef struct {
     const float *cos_sin; /* [max_position, rotary_dim] */
 } Int4Dims;
 
-static inline float half_value(uint16_t h) { /* float16 -> float32 */
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#endif
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F)
-        bits = sign | 0x7F800000 | (man << 13);
-    else if (exp)
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (man) { /* subnormal: renormalize */
-        exp = 113;
-        while (!(man & 0x400)) man <<= 1, exp--;
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    } else
-        bits = sign;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
+/* a float16 (half) or float32 scale (cb_half_to_float: code_blocks.h) */
 static inline float scale_at(const void *p, int64_t i, int half) {
-    return half ? half_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return half ? cb_half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* y[n] = sum_k x[k] * w[n, k] for an int4pack weight [n, k]; per group of columns the codes are

@@ -28,30 +28,9 @@
 
 #define MAX_M 8
 
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) { /* subnormal: renormalize */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
+/* a float16 (half) or float32 scale (cb_half_to_float: code_blocks.h) */
 static inline float load_scale(const void *p, int64_t i, int half) {
-    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return half ? cb_half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* code j of a row in either layout */
