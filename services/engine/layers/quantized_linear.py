@@ -136,6 +136,8 @@ class QuantizedLinear(nn.Module):
                 _log_once(weight.qtype, dtype, f"int4pack at every row count ({n} rows, layout blocks {block_n})")
         elif self.form == "blocks":
             self.block_n = group_gemv.blocks_block_n()
+            _log_once(weight.qtype, dtype, f"code blocks of {self.block_n} rows (the C GEMV up to {BLOCKS_GEMV_MAX_M} "
+                      f"rows, the C GEMM above)")  # fmt: skip
             scales, mins = _exact_pair(weight.scale, weight.min)
             self.register_buffer("codes", group_gemv.blocks_from_codes(weight.codes, self.block_n, weight.bits))
             self.register_buffer("scales", scales.t().contiguous())  # [G, N]
