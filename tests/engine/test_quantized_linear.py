@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from moemesh.engine import dtype as engine_dtype
 from moemesh.engine.layers import quantized_linear
 from moemesh.engine.layers.quantized_linear import GEMV_MAX_M, QuantizedEmbedding, QuantizedLinear
 from moemesh.engine.loader.gguf_blocks import read_blocks
@@ -110,8 +111,16 @@ def test_no_full_precision_weight_is_left_and_bytes_stay_near_the_files(qtype, d
 def test_four_bit_weights_use_the_int4pack_kernel_in_bfloat16_and_dequantize_per_call_in_float32():
     assert loaded("Q4_1", torch.bfloat16)[0].form == "int4pack"  # 96 rows: no blocks of 64
     assert loaded("Q4_K", torch.bfloat16)[0].form == "int4pack"
-    bf16_blocks = group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()  # AVX512-BF16
-    assert loaded("Q4_1", torch.bfloat16, n=128)[0].form == ("blocks" if bf16_blocks else "int4pack")
+    expected = "blocks" if quantized_linear.bf16_code_blocks() else "int4pack"  # AVX512-BF16, no AMX
+    assert loaded("Q4_1", torch.bfloat16, n=128)[0].form == expected
+
+
+def test_bfloat16_weights_stay_int4pack_on_cpus_with_amx(monkeypatch):
+    """AMX's tile GEMM (oneDNN) multiplies int4pack's rebuilt bf16 weight faster than the code
+    blocks' vector dot products."""
+    monkeypatch.setattr(engine_dtype, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    assert loaded("Q4_1", torch.bfloat16, n=128)[0].form == "int4pack"
+    assert loaded("Q4_1", torch.float32, n=128)[0].form == float32_form("Q4_1", 128)  # float32 keeps its blocks
     assert loaded("Q4_1", torch.float32, n=80)[0].form == "nibbles"  # 80 rows: blocks of neither 32 nor 64
     assert loaded("Q4_1", torch.float32, n=128)[0].form == float32_form("Q4_1", 128)
     assert loaded("Q8_0", torch.float32, n=128)[0].form == float32_form("Q8_0", 128)
@@ -203,8 +212,8 @@ def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_l
 def test_bfloat16_code_blocks_are_within_bfloat16_rounding_of_the_float64_product(qtype):
     """With AVX512-BF16, bfloat16 weights of 64-row blocks are code blocks: the GEMV (float32 sums
     of x's values), and the GEMM's bfloat16 dot products of W rounded to bfloat16."""
-    if not (group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()):
-        pytest.skip("no AVX512-BF16 GEMM for code blocks on this CPU")
+    if not quantized_linear.bf16_code_blocks():
+        pytest.skip("no AVX512-BF16 GEMM for code blocks on this CPU (or AMX)")
     module, data = loaded(qtype, torch.bfloat16, n=128)
     assert module.form == "blocks"
     w = reference(data, qtype)

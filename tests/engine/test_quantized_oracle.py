@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moemesh import LLM
+from moemesh.engine.layers import quantized_linear
 from moemesh.kernels import group_gemv
 
 from .oracle_helpers import max_rel_error, prefill_logits
@@ -52,9 +53,8 @@ def bf16_llm(smollm_path):
 
 def test_bfloat16_quantized_model_weights_stay_under_1_25x_the_file(bf16_llm, smollm_path):
     model = bf16_llm.engine.model
-    bf16_blocks = group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()  # AVX512-BF16
-    assert {m.form for m in model.modules() if hasattr(m, "form")} == ({"blocks"} if bf16_blocks else
-                                                                      {"int4pack", "int8"})  # fmt: skip
+    forms = {"blocks"} if quantized_linear.bf16_code_blocks() else {"int4pack", "int8"}
+    assert {m.form for m in model.modules() if hasattr(m, "form")} == forms
     assert weight_bytes(model) <= 1.25 * os.path.getsize(smollm_path)
     assert [n for n, p in model.named_parameters() if p.dim() > 1] == []  # only norm weights stay dense
     for module in (m for m in model.modules() if hasattr(m, "form")):

@@ -15,7 +15,7 @@ three storage forms, and with it the kernel:
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
 - `blocks` (4- and 8-bit codes with float32 activations, N a multiple of the C kernels' row
   block: 64 with AVX-512, 32 with AVX2; and with bfloat16 activations where AVX512-BF16 gives the
-  GEMM bfloat16 dot products: SmolLM2's projections at 64 rows 1.1x int4pack's rebuild + oneDNN
+  GEMM bfloat16 dot products and there is no AMX: SmolLM2's projections at 64 rows 1.1x int4pack's rebuild + oneDNN
   at one thread, 1.5x at two): the codes in row blocks (kernels/code_blocks.h; 4-bit
   ones in int4pack's code order), exact float16 / float32 scales and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the
   blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order), more the blocks' C
@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.engine import dtype as engine_dtype
 from moemesh.engine.layers.group_quantized import GroupQuantized
 from moemesh.kernels import group_gemv
 
@@ -65,13 +66,21 @@ CHUNK_BYTES = 4 << 20
 _logged: set[tuple[str, str, str]] = set()
 
 
+def bf16_code_blocks() -> bool:
+    """Whether bfloat16 activations get code blocks on this CPU: where their GEMM has bfloat16 dot
+    products (AVX512-BF16, 64-row blocks), but not with AMX, whose tile GEMM (oneDNN's, on
+    int4pack's rebuilt weight) outruns vector dot products."""
+    return (group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()
+            and "amx_bf16" not in engine_dtype.cpu_flags())  # fmt: skip
+
+
 def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather: bool) -> str:
     """The storage form for `weight` run with `dtype` activations; `gather`: rows are also read
     one by one (an embedding), which the int4pack layout cannot do."""
     cpu = torch.device(device).type == "cpu"
     block_n = group_gemv.blocks_block_n() if cpu and dtype in (torch.float32, torch.bfloat16) else None
-    if dtype == torch.bfloat16 and not (block_n == 64 and group_gemv.blocks_bf16_gemm()):
-        block_n = None  # bfloat16 x: blocks where their GEMM has bfloat16 dot products (AVX512-BF16)
+    if dtype == torch.bfloat16 and not bf16_code_blocks():
+        block_n = None
     if block_n and weight.shape[0] % block_n == 0 and weight.group_size <= 256:
         return "blocks"
     if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
