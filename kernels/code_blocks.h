@@ -118,6 +118,59 @@ static inline float cb_code(const uint8_t *column, int bits, int64_t j, int64_t 
     return (float)(j < block_n / 2 ? column[j] & 0x0F : column[j - block_n / 2] >> 4);
 }
 
+#ifdef CB_LANES
+/* the 4 vectors of weights codes of one column of a block of 4 * CB_LANES rows, rows i * CB_LANES ..;
+ * `bits` a constant where inlined */
+static inline __attribute__((always_inline)) void cb_column(const uint8_t *b, const int bits, CB_VEC w[4]) {
+    if (bits == 8) {
+        for (int i = 0; i < 4; i++) w[i] = CB_SBYTES(b + i * CB_LANES);
+        return;
+    }
+    __typeof__(CB_BYTES(b)) b0 = CB_BYTES(b), b1 = CB_BYTES(b + CB_LANES);
+    w[0] = CB_LOW(b0), w[1] = CB_LOW(b1), w[2] = CB_HIGH(b0), w[3] = CB_HIGH(b1);
+}
+
+/* cb_gemv_block's vector loop for blocks of 4 * CB_LANES rows, `bits` a constant where inlined */
+static inline __attribute__((always_inline)) void cb_gemv_block_vector(const uint8_t *block, const int bits,
+                                                                       const void *scale, const void *mins, int half,
+                                                                       int64_t n, int64_t k, int64_t group,
+                                                                       const float *x, const float *xsum, float *y,
+                                                                       int64_t nb) {
+    const int64_t block_n = 4 * CB_LANES, stride = cb_column_bytes(bits, block_n);
+    float s[4 * CB_LANES], m[4 * CB_LANES];
+    CB_VEC acc[4] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
+    for (int64_t g = 0; g < k / group; g++) {
+        /* two columns at a time into two sets of sums: eight independent multiply-add chains */
+        CB_VEC p[8] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
+        CB_VEC w0[4], w1[4];
+        int64_t kk = g * group, stop = kk + group;
+        for (; kk + 1 < stop; kk += 2) {
+            const uint8_t *b = block + kk * stride;
+            CB_VEC x0 = CB_SET1(x[kk]), x1 = CB_SET1(x[kk + 1]);
+            cb_column(b, bits, w0);
+            cb_column(b + stride, bits, w1);
+            for (int i = 0; i < 4; i++) {
+                p[i] = CB_FMA(x0, w0[i], p[i]);
+                p[i + 4] = CB_FMA(x1, w1[i], p[i + 4]);
+            }
+        }
+        if (kk < stop) { /* an odd group */
+            CB_VEC x0 = CB_SET1(x[kk]);
+            cb_column(block + kk * stride, bits, w0);
+            for (int i = 0; i < 4; i++) p[i] = CB_FMA(x0, w0[i], p[i]);
+        }
+        cb_scales(scale, g * n + nb, half, s, block_n);
+        if (mins) cb_scales(mins, g * n + nb, half, m, block_n);
+        CB_VEC xs = CB_SET1(mins ? xsum[g] : 0.0f);
+        for (int i = 0; i < 4; i++) {
+            acc[i] = CB_FMA(CB_LOAD(s + i * CB_LANES), CB_ADD(p[i], p[i + 4]), acc[i]);
+            if (mins) acc[i] = CB_FMA(CB_LOAD(m + i * CB_LANES), xs, acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) CB_STORE(y + nb + i * CB_LANES, acc[i]);
+}
+#endif
+
 /* y[nb + j] for the block of rows at nb (j < block_n): one row of x; xsum [K / group] its group sums
  * (read only with mins) */
 static void cb_gemv_block(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, int64_t n,
@@ -127,71 +180,11 @@ static void cb_gemv_block(const uint8_t *packed, int bits, const void *scale, co
     int64_t groups = k / group, stride = cb_column_bytes(bits, block_n);
     float s[256], m[256];
 #ifdef CB_LANES
-    int64_t half_n = block_n / 2;
-    if (block_n == 4 * CB_LANES && bits == 8) {
-        CB_VEC acc[4] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
-        for (int64_t g = 0; g < groups; g++) {
-            CB_VEC p[8] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
-            int64_t kk = g * group, stop = kk + group;
-            for (; kk + 1 < stop; kk += 2) {
-                const uint8_t *b = block + kk * stride;
-                CB_VEC x0 = CB_SET1(x[kk]), x1 = CB_SET1(x[kk + 1]);
-                for (int i = 0; i < 4; i++) {
-                    p[i] = CB_FMA(x0, CB_SBYTES(b + i * CB_LANES), p[i]);
-                    p[i + 4] = CB_FMA(x1, CB_SBYTES(b + stride + i * CB_LANES), p[i + 4]);
-                }
-            }
-            if (kk < stop) /* an odd group */
-                for (int i = 0; i < 4; i++) p[i] = CB_FMA(CB_SET1(x[kk]), CB_SBYTES(block + kk * stride + i * CB_LANES), p[i]);
-            cb_scales(scale, g * n + nb, half, s, block_n);
-            if (mins) cb_scales(mins, g * n + nb, half, m, block_n);
-            CB_VEC xs = CB_SET1(mins ? xsum[g] : 0.0f);
-            for (int i = 0; i < 4; i++) {
-                acc[i] = CB_FMA(CB_LOAD(s + i * CB_LANES), CB_ADD(p[i], p[i + 4]), acc[i]);
-                if (mins) acc[i] = CB_FMA(CB_LOAD(m + i * CB_LANES), xs, acc[i]);
-            }
-        }
-        for (int i = 0; i < 4; i++) CB_STORE(y + nb + i * CB_LANES, acc[i]);
-        return;
-    }
-    if (block_n == 4 * CB_LANES) {
-        CB_VEC acc[4] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
-        for (int64_t g = 0; g < groups; g++) {
-            /* two columns at a time into two sets of sums: eight independent multiply-add chains */
-            CB_VEC p[8] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
-            int64_t kk = g * group, stop = kk + group;
-            for (; kk + 1 < stop; kk += 2) {
-                const uint8_t *b = block + kk * half_n;
-                CB_VEC x0 = CB_SET1(x[kk]), x1 = CB_SET1(x[kk + 1]);
-                __typeof__(CB_BYTES(b)) b0 = CB_BYTES(b), b1 = CB_BYTES(b + CB_LANES);
-                __typeof__(CB_BYTES(b)) c0 = CB_BYTES(b + half_n), c1 = CB_BYTES(b + half_n + CB_LANES);
-                p[0] = CB_FMA(x0, CB_LOW(b0), p[0]);
-                p[1] = CB_FMA(x0, CB_LOW(b1), p[1]);
-                p[2] = CB_FMA(x0, CB_HIGH(b0), p[2]);
-                p[3] = CB_FMA(x0, CB_HIGH(b1), p[3]);
-                p[4] = CB_FMA(x1, CB_LOW(c0), p[4]);
-                p[5] = CB_FMA(x1, CB_LOW(c1), p[5]);
-                p[6] = CB_FMA(x1, CB_HIGH(c0), p[6]);
-                p[7] = CB_FMA(x1, CB_HIGH(c1), p[7]);
-            }
-            if (kk < stop) { /* an odd group */
-                const uint8_t *b = block + kk * half_n;
-                CB_VEC x0 = CB_SET1(x[kk]);
-                __typeof__(CB_BYTES(b)) b0 = CB_BYTES(b), b1 = CB_BYTES(b + CB_LANES);
-                p[0] = CB_FMA(x0, CB_LOW(b0), p[0]);
-                p[1] = CB_FMA(x0, CB_LOW(b1), p[1]);
-                p[2] = CB_FMA(x0, CB_HIGH(b0), p[2]);
-                p[3] = CB_FMA(x0, CB_HIGH(b1), p[3]);
-            }
-            cb_scales(scale, g * n + nb, half, s, block_n);
-            if (mins) cb_scales(mins, g * n + nb, half, m, block_n);
-            CB_VEC xs = CB_SET1(mins ? xsum[g] : 0.0f);
-            for (int i = 0; i < 4; i++) {
-                acc[i] = CB_FMA(CB_LOAD(s + i * CB_LANES), CB_ADD(p[i], p[i + 4]), acc[i]);
-                if (mins) acc[i] = CB_FMA(CB_LOAD(m + i * CB_LANES), xs, acc[i]);
-            }
-        }
-        for (int i = 0; i < 4; i++) CB_STORE(y + nb + i * CB_LANES, acc[i]);
+    if (block_n == 4 * CB_LANES) { /* the vector loop, specialized for each width */
+        if (bits == 8)
+            cb_gemv_block_vector(block, 8, scale, mins, half, n, k, group, x, xsum, y, nb);
+        else
+            cb_gemv_block_vector(block, 4, scale, mins, half, n, k, group, x, xsum, y, nb);
         return;
     }
 #endif

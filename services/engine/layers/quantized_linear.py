@@ -2,7 +2,7 @@
 
 The loader (loader/gguf_quant.py) hands each module a `GroupQuantized` weight (codes with a scale
 and min per group of columns, loader/gguf_blocks.py) and the activation dtype; `load` picks one of
-three storage forms, and with it the kernel:
+four storage forms, and with it the kernel:
 
 - `int4pack` (4-bit codes, groups of 32..256, bfloat16 on a CPU without AVX512-BF16): PyTorch's
   `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group. With GGUF's
@@ -13,15 +13,15 @@ three storage forms, and with it the kernel:
   rebuilds W^T from the int4pack layout in C (kernels/group_gemv.py `int4pack_dequantize`, 0.18
   ms) and multiplies densely in bf16 (1.2 ms). That needs N to be a multiple of the layout's row
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
-- `blocks` (4- and 8-bit codes with float32 activations, N a multiple of the C kernels' row
-  block: 64 with AVX-512, 32 with AVX2; and with bfloat16 activations where AVX512-BF16 gives the
-  GEMM bfloat16 dot products and there is no AMX: SmolLM2's projections at 64 rows 1.1x int4pack's rebuild + oneDNN
-  at one thread, 1.5x at two): the codes in row blocks (kernels/code_blocks.h; 4-bit
-  ones in int4pack's code order), exact float16 / float32 scales and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the
-  blocks' C GEMV (SmolLM2's projections at one row: 1.5x GGUF's own order), more the blocks' C
-  GEMM, which rebuilds each block's W^T a slice at a time in cache and multiplies it there (at 64
-  rows 1.4x a rebuilt weight through MKL, 1.6x at two threads); an embedding gathers its rows.
-  The same values as `int8` / `nibbles`.
+- `blocks` (4- and 8-bit codes, N a multiple of the C kernels' row block: 64 with AVX-512, 32
+  with AVX2; float32 activations, and bfloat16 ones where AVX512-BF16 gives the GEMM bfloat16 dot
+  products and there is no AMX, `bf16_code_blocks`: SmolLM2's projections at 64 rows 1.1x
+  int4pack's rebuild + oneDNN at one thread, 1.5x at two): the codes in row blocks
+  (kernels/code_blocks.h; 4-bit ones in int4pack's code order), exact float16 / float32 scales
+  and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the blocks' C GEMV (SmolLM2's projections
+  at one row: 1.5x GGUF's own order), more the blocks' C GEMM, which rebuilds each block's W^T a
+  slice at a time in cache and multiplies it there (at 64 rows 1.4x a rebuilt weight through MKL,
+  1.6x at two threads); an embedding gathers its rows. The same values as `int8` / `nibbles`.
 - `int8` (8-bit codes otherwise: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
 - `nibbles` (4-bit codes otherwise: bfloat16 gathered embeddings, shapes the blocks do not fit,
   CPUs without AVX2): two codes per byte in kernels/group_gemv.c's order (GGUF's own), scales and
@@ -30,7 +30,8 @@ three storage forms, and with it the kernel:
 `int8` and `nibbles` multiply a round of at most `GEMV_MAX_M` rows with the C kernel
 (kernels/group_gemv.py: exact scales, float32 sums, the weight read once at memory bandwidth) and
 dequantize per call above that. "Dequantize per call" rebuilds the weight (whole, or a weight of
-more than `CHUNK_ROWS` rows in chunks of `CHUNK_BYTES`) from the exact scales (float16 where that is exact, float32 otherwise): code * scale + min
+more than `CHUNK_ROWS` rows in chunks of `CHUNK_BYTES`) from the exact scales (float16 where that
+is exact, float32 otherwise): code * scale + min
 rounded once to float32, then once to the activation dtype, by the C kernel (`dequantize`), or by
 torch where no C compiler built it (logged once; the same values); then multiplies. In float32 it
 is exactly `gguf.quants.dequantize(...)`. No full-precision copy of a weight outlives a call.
@@ -78,9 +79,8 @@ def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather:
     """The storage form for `weight` run with `dtype` activations; `gather`: rows are also read
     one by one (an embedding), which the int4pack layout cannot do."""
     cpu = torch.device(device).type == "cpu"
-    block_n = group_gemv.blocks_block_n() if cpu and dtype in (torch.float32, torch.bfloat16) else None
-    if dtype == torch.bfloat16 and not bf16_code_blocks():
-        block_n = None
+    blocks = cpu and (dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_code_blocks()))
+    block_n = group_gemv.blocks_block_n() if blocks else None
     if block_n and weight.shape[0] % block_n == 0 and weight.group_size <= 256:
         return "blocks"
     if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
