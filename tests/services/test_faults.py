@@ -90,6 +90,7 @@ def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_r
     index = PrefixIndex(redis_client, MESH)
     worker_names = sorted(s.name for s in cluster.services.values() if s.role != "router")
     wait_until(lambda: index.indexed_workers() == worker_names, message="every worker in the index")
+    log_path = cluster.services["router"].log_path
     redis_server.stop()
     try:
         for i in range(4):
@@ -97,6 +98,8 @@ def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_r
             assert response.choices[0].finish_reason in ("length", "stop")
         streamed = client.completions.create(model=model, prompt="Streaming without Redis:", max_tokens=3, stream=True)
         assert len([c for c in streamed]) >= 1
+        # the router notices at its next refresh, which quick requests may not have waited for
+        wait_until(lambda: "Redis unreachable" in open(log_path).read(), message="the router saw Redis go")
     finally:
         redis_server.start()
     wait_until(lambda: sorted(w.worker_id for w in registry.list_workers(redis_client, MESH)
@@ -104,7 +107,6 @@ def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_r
     wait_until(lambda: index.indexed_workers() == worker_names, message="prefix index rebuilt")
     decode = decode_workers(cluster)[0]
     assert wait_until(lambda: index.worker_blocks(decode.name), message="the decode worker's blocks re-indexed")
-    log_path = cluster.services["router"].log_path
     # the router notices on its own next Redis call, which may come after the workers re-indexed
     router_log = wait_until(lambda: (lambda text: text if "Redis is back" in text else None)(open(log_path).read()),
                             message="the router saw Redis return")  # fmt: skip
