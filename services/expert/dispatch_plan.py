@@ -9,6 +9,9 @@ the hidden states of the tokens it needs once, the entries as row indices groupe
 their gate weights, and returns its weighted partial sum per token (the combine runs on the expert
 side; the remote executor adds the partials).
 
+`plan_layer` is what the remote executor calls: replicas and the split in one C call
+(kernels/moe_dispatch.c; the same plan as `sort_entries` + `split_by_worker`, with fewer calls
+on a path that runs from cold caches), or with numpy where no C compiler is found.
 `reroute` moves entries off workers that are down onto other replicas of the same expert.
 Pure numpy/torch on the CPU; no I/O.
 """
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from moemesh.kernels import moe_dispatch
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class WorkerBatch:
     slots: np.ndarray  # [num_groups] replicas, ascending
     experts: np.ndarray  # [num_groups] logical expert of each replica
     group_sizes: np.ndarray  # [num_groups] entries per replica
+    span: tuple[int, int] | None = None  # positions are range(*span) (a run of the sorted entries)
 
     @property
     def num_entries(self) -> int:
@@ -78,8 +84,39 @@ def split_by_worker(entries: SortedEntries, slot_owner: np.ndarray, num_tokens: 
         batches.append(WorkerBatch(
             worker=int(group_owners[first]), positions=np.arange(begin, end), token_ids=token_ids, row_ids=row_ids,
             slots=replicas[starts], experts=entries.experts[starts], group_sizes=group_sizes[first:last],
+            span=(begin, end),
         ))  # fmt: skip
     return batches
+
+
+def plan_layer(
+    tables: moe_dispatch.LayerTables,  # the placement's layer
+    replica_ids,  # () -> [num_tokens, top_k] replica ids (the numpy path's; the C path maps them itself)
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] logical experts, on the CPU
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] gate weights, on the CPU
+) -> tuple[SortedEntries, torch.Tensor, list[WorkerBatch]]:
+    """(the sorted entries, their gate weights float32 [num_entries], one batch per worker)."""
+    num_tokens = topk_ids.shape[0]
+    lib = moe_dispatch.library()
+    if lib is None:
+        entries = sort_entries(replica_ids().numpy(), topk_ids.numpy(), tables.slot_owner)
+        weights = topk_weights.float().reshape(-1)[torch.from_numpy(entries.order)]
+        return entries, weights, split_by_worker(entries, tables.slot_owner, num_tokens)
+    plan = moe_dispatch.plan_dispatch(lib, tables, topk_ids.long().contiguous(), topk_weights.float().contiguous())
+    batches = [
+        WorkerBatch(
+            worker=worker,
+            positions=np.arange(begin, end),
+            token_ids=plan.token_ids[first_token:last_token],
+            row_ids=plan.rows[begin:end],
+            slots=plan.group_slots[first:last],
+            experts=plan.group_experts[first:last],
+            group_sizes=plan.group_sizes[first:last],
+            span=(begin, end),
+        )
+        for worker, begin, end, first, last, first_token, last_token in plan.batches.tolist()
+    ]
+    return SortedEntries(plan.replicas, plan.experts, plan.tokens, plan.order), plan.weights, batches
 
 
 def token_rows(tokens: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:

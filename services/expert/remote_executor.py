@@ -2,7 +2,8 @@
 expert workers that hold their replicas.
 
 Per layer: logical ids -> replicas by the placement's round-robin rule
-(`ExpertPlacement.replica_ids`), entries grouped by owning worker (`dispatch_plan`), one request
+(`ExpertPlacement.replica_ids`), entries grouped by owning worker (`dispatch_plan.plan_layer`:
+both in one C call where a compiler is found), one request
 per worker through the ExpertTransport, all in flight at once. Each token's hidden state goes
 once to each worker it needs, with its (replica, gate weight) entries there; the worker combines
 its own experts and returns one float32 partial [num_tokens_w, hidden]; the partials are added
@@ -41,16 +42,10 @@ from moemesh.common.placement import Placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import CompletedExperts, ExpertExecutor, ExpertHandle, ExpertPlacement
 from moemesh.expert.call import ExpertRequest
-from moemesh.expert.dispatch_plan import (
-    WorkerBatch,
-    gather_rows,
-    group_by_worker,
-    reroute,
-    sort_entries,
-    split_by_worker,
-)
+from moemesh.expert.dispatch_plan import WorkerBatch, gather_rows, group_by_worker, plan_layer, reroute
 from moemesh.expert.transport import ExpertCallError, ExpertTransport
 from moemesh.expert.wire import WireError
+from moemesh.kernels.moe_dispatch import LayerTables
 
 
 class RemotePlacement(ExpertPlacement):
@@ -63,6 +58,16 @@ class RemotePlacement(ExpertPlacement):
         self.phy2log_np = np.array(placement.phy2log)  # [num_layers, num_slots]
         self.log2phy_np = np.array(placement.log2phy)  # [num_layers, num_experts, max_replicas]
         self.replica_counts_np = np.array(placement.replica_counts)  # [num_layers, num_experts]
+        self._layer_tables: dict[int, LayerTables] = {}
+
+    def layer_tables(self, layer: int) -> LayerTables:
+        """The layer as the dispatch planner reads it (built on first use)."""
+        tables = self._layer_tables.get(layer)
+        if tables is None:
+            log2phy = None if self.is_identity else self.log2phy_np[layer]
+            tables = LayerTables.build(log2phy, self.replica_counts_np[layer], self.slot_owner)
+            self._layer_tables[layer] = tables
+        return tables
 
 
 class _RemoteHandle(ExpertHandle):
@@ -162,8 +167,10 @@ class RemoteExpertExecutor(ExpertExecutor):
     def _submit(self, layer, hidden_states, topk_ids, topk_weights) -> _RemoteHandle:
         placement = self.placement
         num_tokens = hidden_states.shape[0]
-        replica_ids = placement.replica_ids(layer, topk_ids).cpu().numpy()  # [num_tokens, top_k]
-        entries = sort_entries(replica_ids, topk_ids.cpu().numpy(), placement.slot_owner)
+        ids = topk_ids.cpu()
+        entries, weights, batches = plan_layer(placement.layer_tables(layer),
+                                               lambda: placement.replica_ids(layer, ids), ids,
+                                               topk_weights.detach().cpu())  # fmt: skip
         replicas = entries.replicas
         # route around workers that failed recently (stranded entries try anyway); none: no lookup
         slot_down = self._slot_down(placement) if self._down_until else None
@@ -172,10 +179,7 @@ class RemoteExpertExecutor(ExpertExecutor):
                                   placement.replica_counts_np[layer])  # fmt: skip
             batches = group_by_worker(replicas, entries.experts, entries.tokens, np.arange(replicas.size),
                                       placement.slot_owner)  # fmt: skip
-        else:
-            batches = split_by_worker(entries, placement.slot_owner, num_tokens)
         x = hidden_states.detach().cpu()  # [num_tokens, hidden]
-        weights = topk_weights.detach().cpu().float().reshape(-1)[torch.from_numpy(entries.order)]  # [num_entries]
         # one worker serves every entry: its partial is the output, rounded to x's dtype over there
         sole = len(batches) == 1 and batches[0].token_ids.size == num_tokens and x.dtype != torch.float32
         calls = self._send(layer, placement, x, weights, batches, sole)
@@ -200,10 +204,11 @@ class RemoteExpertExecutor(ExpertExecutor):
         calls, dtype = [], x.dtype if sole else torch.float32
         for batch in batches:
             rows = x if batch.token_ids.size == x.shape[0] else gather_rows(x, batch.token_ids)  # all tokens: as is
+            entry_weights = weights[slice(*batch.span)] if batch.span else weights[torch.from_numpy(batch.positions)]
             request = ExpertRequest(
-                layer, placement.version, rows, batch.slots.astype(np.int32), batch.experts.astype(np.int32),
-                batch.group_sizes.astype(np.int32), batch.row_ids.astype(np.int32),
-                weights[torch.from_numpy(batch.positions)], outputs_in_input_dtype=sole,
+                layer, placement.version, rows, batch.slots.astype(np.int32, copy=False),
+                batch.experts.astype(np.int32, copy=False), batch.group_sizes.astype(np.int32, copy=False),
+                batch.row_ids.astype(np.int32, copy=False), entry_weights, outputs_in_input_dtype=sole,
             )  # fmt: skip
             self.num_bytes_sent += request.hidden_states.nbytes + request.entry_weights.nbytes
             call = self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)

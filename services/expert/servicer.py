@@ -32,6 +32,7 @@ from moemesh.common.metrics import ExpertMetrics
 from moemesh.expert.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
 from moemesh.expert.replicas import HostedVersion, ReplicaStore
 from moemesh.expert.wire import WireError
+from moemesh.kernels import moe_dispatch
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
 
@@ -66,8 +67,9 @@ def _out_of(values: np.ndarray, low: int, high: int) -> bool:
 
 
 def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
-    """The compute inputs of a request, or CallError. Every check is one vectorised pass (this runs
-    on the dispatch path of each MoE layer); the per-entry arrays are made only where used."""
+    """The compute inputs of a request, or CallError. This runs on the dispatch path of each MoE
+    layer: the groups and row ids are checked in one C pass (kernels/moe_dispatch.c) where it is
+    built; the numpy checks (`_check_groups`) name what is wrong, and are the path without it."""
     hosted = store.get(request.placement_version)
     if hosted is None:
         raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -86,6 +88,27 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"group_slots, group_experts and group_rows must have one value per group, got "
                         f"{slots.size}, {experts.size} and {sizes.size}")  # fmt: skip
+    lib = moe_dispatch.library()
+    checked = None
+    if lib is not None:  # one C pass; what it finds wrong, the numpy checks below name
+        checked = moe_dispatch.check_groups(lib, slots, experts, sizes, request.row_ids, x.shape[0], hosted.local_index,
+                                            hosted.placement.phy2log[request.layer])  # fmt: skip
+    if checked is None or isinstance(checked[0], str):
+        checked = _check_groups(store, hosted, request)
+    group_local, group_rows, row_ids = checked
+    weights = request.entry_weights
+    if weights is not None and (weights.dtype != torch.float32 or tuple(weights.shape) != (row_ids.size,)):
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
+                        f"{list(weights.shape)}")  # fmt: skip
+    combined_dtype = x.dtype if request.outputs_in_input_dtype else torch.float32
+    return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), group_local, group_rows, weights,
+                      combined_dtype)  # fmt: skip
+
+
+def _check_groups(store: ReplicaStore, hosted: HostedVersion, request: ExpertRequest):
+    """(local replica of each group, entries per group, row ids), all int64; CallError naming what is wrong."""
+    slots, experts, sizes, x = request.group_slots, request.group_experts, request.group_rows, request.hidden_states
     placement = hosted.placement
     if _out_of(slots, 0, placement.num_slots) or (sizes.size and int(sizes.min()) < 0):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"groups name slots outside [0, {placement.num_slots}) "
@@ -108,14 +131,7 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
                         f"{row_ids.size} row ids for groups of {num_entries} rows")  # fmt: skip
     if _out_of(row_ids, 0, x.shape[0]):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must be in [0, {x.shape[0]})")
-    weights = request.entry_weights
-    if weights is not None and (weights.dtype != torch.float32 or tuple(weights.shape) != (row_ids.size,)):
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
-                        f"{list(weights.shape)}")  # fmt: skip
-    combined_dtype = x.dtype if request.outputs_in_input_dtype else torch.float32
-    return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids.astype(np.int64)), local,
-                      sizes.astype(np.int64), weights, combined_dtype)  # fmt: skip
+    return local.astype(np.int64), sizes.astype(np.int64), row_ids.astype(np.int64)
 
 
 def run_call(call: ParsedCall) -> ExpertReply:

@@ -18,6 +18,7 @@ from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries,
 from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
 from moemesh.expert.servicer import CallError, ExpertServicer, decode_request, parse_call
 from moemesh.expert.wire import tensor_to_proto
+from moemesh.kernels import moe_dispatch
 from moemesh.proto.v1 import expert_pb2
 
 from .loopback import LoopbackTransport, random_experts
@@ -62,8 +63,18 @@ def close(dtype) -> dict:
     return FP32 if dtype == torch.float32 else BF16
 
 
+@pytest.fixture(params=["C", "numpy"])
+def dispatch_path(request, monkeypatch):
+    """The dispatch plan and the worker's checks in C (moe_dispatch.c), or with numpy (no compiler)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(moe_dispatch, "library", lambda: None)
+    elif moe_dispatch.library() is None:
+        pytest.skip("no C compiler")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_workers_match_the_local_executor_within_reassociation_error(dtype):
+def test_two_workers_match_the_local_executor_within_reassociation_error(dtype, dispatch_path):
     local, remote, transport, _ = executors(identity(WORKERS[:2]), dtype, WORKERS[:2])
     x, ids, weights = routing(37)
     for layer in range(NUM_LAYERS):
@@ -75,7 +86,7 @@ def test_two_workers_match_the_local_executor_within_reassociation_error(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_worker_holding_every_expert_equals_the_local_executor_bit_for_bit(dtype):
+def test_one_worker_holding_every_expert_equals_the_local_executor_bit_for_bit(dtype, dispatch_path):
     """A single worker sums every entry of a token in the local kernel's order: no reassociation.
     In bf16 it also rounds that sum itself (the sole partial): half the reply bytes, same bits."""
     local, remote, _, _ = executors(identity(WORKERS[:1]), dtype, workers=WORKERS[:1])
@@ -125,7 +136,7 @@ def test_remote_layer_matches_a_float64_reference():
     torch.testing.assert_close(remote.forward(1, x, ids, weights).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_hot_expert_with_two_replicas_splits_its_tokens_evenly_and_outputs_stay_identical():
+def test_a_hot_expert_with_two_replicas_splits_its_tokens_evenly_and_outputs_stay_identical(dispatch_path):
     hot = 5
     placement = hot_doubled(WORKERS[:3], hot)
     local, remote, transport, _ = executors(placement, workers=WORKERS[:3])
@@ -151,7 +162,7 @@ def transport_weights(transport):
                          torch.stack([weights[(0, e)][1] for e in range(NUM_EXPERTS)]))]  # fmt: skip
 
 
-def test_a_dead_worker_is_routed_around_when_its_experts_have_replicas_elsewhere():
+def test_a_dead_worker_is_routed_around_when_its_experts_have_replicas_elsewhere(dispatch_path):
     placement = make_placement(3, np.tile(np.arange(NUM_EXPERTS).repeat(2), (NUM_LAYERS, 1)), WORKERS, NUM_EXPERTS)
     local, remote, transport, _ = executors(placement)  # each expert twice, on neighbouring slots
     # slots 2k, 2k+1 hold expert k: w0 owns 0..3 (experts 0, 1), w1 4..7 (2, 3), ...: no redundancy across workers
@@ -237,7 +248,7 @@ def test_the_presorted_split_equals_the_general_grouping_for_any_slot_ownership(
             assert np.array_equal(getattr(a, field), getattr(b, field)), field
 
 
-def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_status():
+def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_status(dispatch_path):
     _, _, transport, _ = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
     store = transport.stores["w0"]
     x = tensor_to_proto(torch.zeros(2, HIDDEN))
