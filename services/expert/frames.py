@@ -17,6 +17,8 @@ FrameError: the stream cannot be resynchronised, so the reader closes the connec
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -82,9 +84,25 @@ def _dtype(code: int) -> torch.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=256)
+def _byte_array(size: int) -> type:
+    return ctypes.c_char * size
+
+
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    """A CPU tensor's bytes (a dense copy first if it is not contiguous), without a copy and without
+    torch ops (each costs ~10 us from the cold caches of the dispatch path); the view keeps the
+    tensor alive."""
+    if not tensor.is_cpu:
+        raise ValueError(f"a {tensor.device} tensor cannot be framed; move it to the CPU first")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    size = tensor.nbytes
+    if not size:
+        return memoryview(b"")
+    array = _byte_array(size).from_address(tensor.data_ptr())
+    array.owner = tensor
+    return memoryview(array)
 
 
 def encode_request(sequence_id: int, request: ExpertRequest) -> list:

@@ -6,6 +6,7 @@ or send garbage while it keeps serving the others."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import socket
 import threading
 import time
@@ -73,6 +74,26 @@ def test_a_request_frame_carries_every_field_exactly(dtype, num_tokens, weights,
         assert torch.equal(got.entry_weights, sent.entry_weights)
     else:
         assert got.entry_weights is None
+
+
+def test_frames_carry_strided_tensors_and_keep_temporaries_alive_until_sent():
+    """The frame's buffers view the tensors' memory: a strided tensor is framed from a dense
+    copy, and bf16 gate weights from their float32 copy, which nothing else holds."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 48, generator=gen)[:, ::2]  # strided rows
+    weights = torch.rand(4, generator=gen).to(torch.bfloat16)
+    i32 = lambda v: np.array(v, dtype=np.int32)  # noqa: E731
+    buffers = encode_request(1, ExpertRequest(0, 1, x, i32([0]), i32([0]), i32([4]), i32([0, 1, 2, 5]), weights))
+    gc.collect()
+    torch.randn(64, 1024)  # reuse freed memory, if the float32 copy had been freed
+    header = parse_request_header(joined(buffers)[: REQUEST.size])
+    got = decode_request(header, joined(buffers)[REQUEST.size :])
+    assert torch.equal(got.hidden_states, x) and torch.equal(got.entry_weights, weights.float())
+    y = torch.randn(24, 5, generator=gen).t()  # not contiguous
+    data = joined(encode_reply(3, ExpertReply(y)))
+    assert torch.equal(decode_reply(parse_reply_header(data[: REPLY.size]), data[REPLY.size :]).outputs, y)
+    with pytest.raises(ValueError, match="meta tensor cannot be framed"):
+        encode_reply(4, ExpertReply(torch.empty(2, 3, device="meta")))
 
 
 def test_reply_frames_carry_outputs_exactly_and_errors_with_their_status():
