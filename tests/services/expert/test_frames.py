@@ -76,6 +76,17 @@ def test_a_request_frame_carries_every_field_exactly(dtype, num_tokens, weights,
         assert got.entry_weights is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_weights_after_an_odd_sized_half_precision_x_arrive_exactly(dtype):
+    """7 x 5 bf16 values end 2 bytes past a 4-byte boundary: the weights are copied, not viewed unaligned."""
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    i32 = lambda v: np.array(v, dtype=np.int32)  # noqa: E731
+    weights = torch.tensor([0.25, 0.5, 1.0 / 3.0])
+    _, got = round_trip_request(1, ExpertRequest(0, 1, x, i32([2]), i32([2]), i32([3]), i32([6, 0, 3]), weights))
+    assert torch.equal(got.hidden_states, x) and torch.equal(got.entry_weights, weights)
+    assert got.row_ids.tolist() == [6, 0, 3] and got.group_rows.tolist() == [3]
+
+
 def test_frames_carry_strided_tensors_and_keep_temporaries_alive_until_sent():
     """The frame's buffers view the tensors' memory: a strided tensor is framed from a dense
     copy, and bf16 gate weights from their float32 copy, which nothing else holds."""
