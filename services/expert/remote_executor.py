@@ -45,7 +45,7 @@ from moemesh.expert.call import ExpertRequest
 from moemesh.expert.dispatch_plan import WorkerBatch, gather_rows, group_by_worker, plan_layer, reroute
 from moemesh.expert.transport import ExpertCallError, ExpertTransport
 from moemesh.expert.wire import WireError
-from moemesh.kernels.moe_dispatch import LayerTables
+from moemesh.kernels import moe_dispatch
 
 
 class RemotePlacement(ExpertPlacement):
@@ -58,14 +58,14 @@ class RemotePlacement(ExpertPlacement):
         self.phy2log_np = np.array(placement.phy2log)  # [num_layers, num_slots]
         self.log2phy_np = np.array(placement.log2phy)  # [num_layers, num_experts, max_replicas]
         self.replica_counts_np = np.array(placement.replica_counts)  # [num_layers, num_experts]
-        self._layer_tables: dict[int, LayerTables] = {}
+        self._layer_tables: dict[int, moe_dispatch.LayerTables] = {}
 
-    def layer_tables(self, layer: int) -> LayerTables:
+    def layer_tables(self, layer: int) -> moe_dispatch.LayerTables:
         """The layer as the dispatch planner reads it (built on first use)."""
         tables = self._layer_tables.get(layer)
         if tables is None:
             log2phy = None if self.is_identity else self.log2phy_np[layer]
-            tables = LayerTables.build(log2phy, self.replica_counts_np[layer], self.slot_owner)
+            tables = moe_dispatch.LayerTables.build(log2phy, self.replica_counts_np[layer], self.slot_owner)
             self._layer_tables[layer] = tables
         return tables
 
@@ -108,6 +108,7 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.num_bytes_received = 0
         self.compute_s = 0.0  # per layer the slowest worker's compute, summed (the rest is dispatch overhead)
         self._num_in_flight = 0  # submitted, not yet waited handles
+        moe_dispatch.library()  # built (or found in its cache) now, not in the first MoE layer
 
     # -- the worker, between steps ---------------------------------------------------------
     def set_placement(self, placement: ExpertPlacement) -> None:

@@ -180,6 +180,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.data_plane = None  # dist_server.DistDataPlane of the torch-dist transport, set by the worker
         self.socket_plane = None  # socket_server.SocketDataPlane of the socket transport, set by the worker
         self._closing = asyncio.Event()
+        moe_dispatch.library()  # the request checks' C pass, built now rather than on the first request
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
         try:
