@@ -84,20 +84,25 @@ class DispatchPlan:
 
 def plan_dispatch(lib: ctypes.CDLL, tables: LayerTables, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor) -> DispatchPlan:  # fmt: skip
-    """`topk_ids` int64 and `topk_weights` float32 [num_tokens, top_k], contiguous on the CPU.
-    ValueError naming the bad ids (a logical id the placement has no replica of)."""
+    """`topk_ids` int64 and `topk_weights` float32 [num_tokens, top_k], contiguous on the CPU
+    (TypeError otherwise). ValueError naming the ids when some id has no replica in `tables`."""
+    if (topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32 or topk_ids.dim() != 2
+            or topk_ids.shape != topk_weights.shape or not topk_ids.is_contiguous()
+            or not topk_weights.is_contiguous() or not topk_ids.is_cpu or not topk_weights.is_cpu):  # fmt: skip
+        raise TypeError(f"plan_dispatch reads contiguous CPU int64 ids and float32 weights of one 2-d shape, got "
+                        f"{topk_ids.dtype} {list(topk_ids.shape)} and {topk_weights.dtype} {list(topk_weights.shape)}")  # fmt: skip
     num_tokens, top_k = topk_ids.shape
     n = num_tokens * top_k
     out = np.empty(9 * n + BATCH_FIELDS * tables.slot_owner.size, dtype=np.int32)
     weights = torch.empty(n, dtype=torch.float32)
     num = lib.plan_dispatch(topk_ids.data_ptr(), topk_weights.data_ptr(), num_tokens, top_k, *tables.args,
                             out.ctypes.data, weights.data_ptr())  # fmt: skip
+    if num == NO_MEMORY:
+        raise MemoryError("plan_dispatch: out of memory")
     if num < 0:
-        raise ValueError(
-            "plan_dispatch: " + ("out of memory" if num == NO_MEMORY else f"expert ids {sorted(set(topk_ids.view(-1).tolist()))} "
-            f"are not all in the placement (num_experts {tables.replica_counts.size}, "
-            f"{'a replica outside the slots' if num == BAD_SLOT else 'an id out of range or without a replica'})")
-        )  # fmt: skip
+        why = "a replica outside the slots" if num == BAD_SLOT else "an id out of range or without a replica"
+        raise ValueError(f"expert ids {sorted(set(topk_ids.view(-1).tolist()))} are not all in the placement "
+                         f"({tables.replica_counts.size} experts): {why}")  # fmt: skip
     parts = out[: 9 * n].reshape(9, n)
     return DispatchPlan(*parts, out[9 * n : 9 * n + BATCH_FIELDS * num].reshape(num, BATCH_FIELDS), weights)
 
@@ -107,7 +112,10 @@ def check_groups(lib: ctypes.CDLL, slots: np.ndarray, experts: np.ndarray, sizes
     """(group_local int64 [G], group_rows int64 [G], row ids int64 [n]), or (error name, index):
     moe_dispatch.c's check_groups over int32 group/row arrays of equal group counts and int64
     tables (phy2log: the layer's row)."""
+    if not slots.size == experts.size == sizes.size or phy2log.size != local_index.size:
+        raise ValueError("check_groups: one slot, expert and size per group, and tables of one slot count")
     slots, experts, sizes, row_ids = (np.ascontiguousarray(a, dtype=np.int32) for a in (slots, experts, sizes, row_ids))
+    local_index, phy2log = (np.ascontiguousarray(a, dtype=np.int64) for a in (local_index, phy2log))
     num_groups = slots.size
     out = np.empty(2 * num_groups + row_ids.size + 1, dtype=np.int64)  # moe_dispatch.c names the layout
     code = lib.check_groups(slots.ctypes.data, experts.ctypes.data, sizes.ctypes.data, num_groups, row_ids.ctypes.data,

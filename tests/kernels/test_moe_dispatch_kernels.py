@@ -88,6 +88,15 @@ def test_plan_refuses_ids_the_placement_has_no_replica_of():
         moe_dispatch.plan_dispatch(lib, empty, torch.tensor([[1, 0]]), weights)
 
 
+def test_plan_refuses_tensors_it_cannot_read():
+    tables = moe_dispatch.LayerTables.build(None, np.ones(4), np.zeros(4))
+    ids = torch.tensor([[0, 1], [2, 3]])
+    for bad_ids, bad_weights in ((ids.int(), torch.ones(2, 2)), (ids, torch.ones(2, 2, dtype=torch.bfloat16)),
+                                 (ids.t(), torch.ones(2, 2)), (ids, torch.ones(2, 3))):  # fmt: skip
+        with pytest.raises(TypeError, match="contiguous CPU int64 ids and float32 weights"):
+            moe_dispatch.plan_dispatch(lib, tables, bad_ids, bad_weights)
+
+
 def test_an_empty_round_plans_no_batches():
     tables = moe_dispatch.LayerTables.build(None, np.ones(4), np.zeros(4))
     plan = moe_dispatch.plan_dispatch(lib, tables, torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
