@@ -42,8 +42,11 @@ the transport. Hence the dispatch plan and the expert side's checks run as one C
 (kernels/moe_dispatch.c) and frames view tensors through ctypes instead of torch ops: on a 2-vCPU
 Zen 4 guest, x1 socket, overhead 0.93-1.21 -> 0.67-0.81 ms/layer (attention-side submit 513 ->
 ~295 us). There, after ~100 MB of weights went through the caches, even a bare ctypes call takes
-~50 us and np.empty ~14 us (warm: 5 and 0.3 us), so what is left (~0.3 ms on each side: socket
-calls, parsing, the reply's copy) is the fixed cost of any Python on this path.
+~50 us and np.empty ~14 us (warm: 5 and 0.3 us). And while the socket transport polls, both sides
+rehearse the work around the next frame (frame_socket.py keep_warm: the expert side parses and
+checks the last request again, the attention side decodes the last reply and plans and encodes
+its last request again), which keeps it warm: overhead 0.47-0.55 ms/layer, dispatcher CPU
+~1.0-1.2 -> ~0.55-0.7 ms per step (same guest, interleaved runs).
 
 Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
 to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.

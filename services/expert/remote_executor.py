@@ -24,6 +24,10 @@ Placement switch: `set_placement` (the worker, between steps) only stores the ne
 the forward adopts it at MoE layer 0, so all layers of one forward use one placement even when
 the model runs on another thread than the one that switches (execution overlap).
 
+After each layer's submit the executor hands the transport a rehearsal of it (the planning and
+the requests again, nothing sent: `ExpertTransport.set_rehearsal`); a transport that busy-polls for
+the replies (socket) runs it while it waits, so that path's caches stay warm.
+
 Ping-pong micro-batches: `submit` sends a layer's per-worker requests and returns; `wait`
 gathers the replies (re-dispatching after a failure, synchronously) and combines them. A layer-0
 `submit` starts a new forward only when nothing is in flight (the second micro-batch's layer 0
@@ -32,6 +36,7 @@ follows the first's submit without a wait), so both micro-batches see one placem
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 
@@ -79,6 +84,16 @@ class _RemoteHandle(ExpertHandle):
         self.out = out  # [num_tokens, hidden] float32, the sum of the partials (None until the first reply)
         self.out_is_reply = False  # out is a reply's own tensor (not ours to write or return)
         self.like = like  # the layer input: output device and dtype
+
+
+def _request(layer: int, placement: RemotePlacement, x, weights, batch: WorkerBatch, sole: bool) -> ExpertRequest:
+    rows = x if batch.token_ids.size == x.shape[0] else gather_rows(x, batch.token_ids)  # all tokens: as is
+    entry_weights = weights[slice(*batch.span)] if batch.span else weights[torch.from_numpy(batch.positions)]
+    return ExpertRequest(
+        layer, placement.version, rows, batch.slots.astype(np.int32, copy=False),
+        batch.experts.astype(np.int32, copy=False), batch.group_sizes.astype(np.int32, copy=False),
+        batch.row_ids.astype(np.int32, copy=False), entry_weights, outputs_in_input_dtype=sole,
+    )  # fmt: skip
 
 
 class RemoteExpertExecutor(ExpertExecutor):
@@ -168,10 +183,9 @@ class RemoteExpertExecutor(ExpertExecutor):
     def _submit(self, layer, hidden_states, topk_ids, topk_weights) -> _RemoteHandle:
         placement = self.placement
         num_tokens = hidden_states.shape[0]
-        ids = topk_ids.cpu()
+        ids, cpu_weights = topk_ids.cpu(), topk_weights.detach().cpu()
         entries, weights, batches = plan_layer(placement.layer_tables(layer),
-                                               lambda: placement.replica_ids(layer, ids), ids,
-                                               topk_weights.detach().cpu())  # fmt: skip
+                                               lambda: placement.replica_ids(layer, ids), ids, cpu_weights)  # fmt: skip
         replicas = entries.replicas
         # route around workers that failed recently (stranded entries try anyway); none: no lookup
         slot_down = self._slot_down(placement) if self._down_until else None
@@ -184,6 +198,8 @@ class RemoteExpertExecutor(ExpertExecutor):
         # one worker serves every entry: its partial is the output, rounded to x's dtype over there
         sole = len(batches) == 1 and batches[0].token_ids.size == num_tokens and x.dtype != torch.float32
         calls = self._send(layer, placement, x, weights, batches, sole)
+        # while the transport waits for the replies it may repeat this planning, to keep it warm
+        self.transport.set_rehearsal(functools.partial(self._rehearse_submit, layer, placement, ids, cpu_weights, x))
         return _RemoteHandle(layer, placement, entries, replicas, x, weights, batches, calls, None, hidden_states)
 
     def _wait(self, h: _RemoteHandle) -> torch.Tensor:
@@ -204,17 +220,19 @@ class RemoteExpertExecutor(ExpertExecutor):
         """(batch, pending call, the outputs' dtype) per batch; `sole`: the one batch's partial is the output."""
         calls, dtype = [], x.dtype if sole else torch.float32
         for batch in batches:
-            rows = x if batch.token_ids.size == x.shape[0] else gather_rows(x, batch.token_ids)  # all tokens: as is
-            entry_weights = weights[slice(*batch.span)] if batch.span else weights[torch.from_numpy(batch.positions)]
-            request = ExpertRequest(
-                layer, placement.version, rows, batch.slots.astype(np.int32, copy=False),
-                batch.experts.astype(np.int32, copy=False), batch.group_sizes.astype(np.int32, copy=False),
-                batch.row_ids.astype(np.int32, copy=False), entry_weights, outputs_in_input_dtype=sole,
-            )  # fmt: skip
+            request = _request(layer, placement, x, weights, batch, sole)
             self.num_bytes_sent += request.hidden_states.nbytes + request.entry_weights.nbytes
             call = self.transport.submit(placement.worker_ids[batch.worker], request, self.timeout_s)
             calls.append((batch, call, dtype))
         return calls
+
+    @staticmethod
+    def _rehearse_submit(layer, placement: RemotePlacement, ids, cpu_weights, x) -> None:
+        """`_submit`'s planning and requests again, sending nothing (ExpertTransport.set_rehearsal)."""
+        _, weights, batches = plan_layer(placement.layer_tables(layer), lambda: placement.replica_ids(layer, ids),
+                                         ids, cpu_weights)  # fmt: skip
+        for batch in batches:
+            _request(layer, placement, x, weights, batch, False)
 
     def _gather(self, h: _RemoteHandle, calls: list) -> list:
         """Adds each reply's partial into `h.out` (worker order); returns the failed calls. A

@@ -262,6 +262,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         finally:
             self._finish(call, started, ok=reply is not None)
 
+    def rehearse(self, request: ExpertRequest) -> None:
+        """`parse_call` of a request already answered, nothing computed or counted: the socket data
+        plane keeps the request path warm with it while it polls (frame_socket.py)."""
+        parse_call(self.store, request)
+
     def _begin(self, request: ExpertRequest | expert_pb2.RunExpertsRequest) -> ParsedCall:
         try:
             if isinstance(request, expert_pb2.RunExpertsRequest):

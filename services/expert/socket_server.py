@@ -8,7 +8,9 @@ session opened through the RPC is closed, so every connection is tied to a gRPC 
 fails fast on a stopping worker). The serving thread loops: read a request frame, `answer` it
 (the servicer's `answer_blocking(request, deliver)`: check and compute on this thread, write the
 reply through `deliver` (draining, frame_socket.py), then count its tokens while it travels;
-CallError for a refused request, answered with its status). A frame
+CallError for a refused request, answered with its status). While it polls for the next request
+it keeps that path warm by rehearsing the last one (`rehearse`: the servicer's checks, nothing
+computed or counted; frame_socket.py's keep_warm). A frame
 that does not parse closes the connection (the stream cannot be resynchronised); the peer's next
 call opens a new one. `close()` (worker shutdown) closes the listener and stops reading on every
 connection: a request being computed is still answered, then the connection closes, so attention
@@ -17,6 +19,7 @@ workers fail over at once instead of at their timeout.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import struct
@@ -51,10 +54,13 @@ def encode_hello(session: str) -> list:
 
 class SocketDataPlane:
     def __init__(self, host: str, port: int, worker_id: str, answer: Callable[..., ExpertReply],
-                 busy_poll_s: float = 0.0):  # fmt: skip
+                 busy_poll_s: float = 0.0, rehearse: Callable[[ExpertRequest], object] | None = None):  # fmt: skip
         """`host`/`port`: where the listener binds (port 0: an ephemeral one); `busy_poll_s`: how
-        long a serving thread's wait for the next request polls before it blocks."""
+        long a serving thread's wait for the next request polls before it blocks; `rehearse`: a
+        request's checks without effects (CallError when it would be refused), run on the last
+        request while polling."""
         self.host, self.port, self.worker_id, self._answer = host, port, worker_id, answer
+        self._rehearse = rehearse
         self.busy_poll_s = busy_poll_s
         self._listener: socket.socket | None = None
         self._unclaimed: dict[str, None] = {}  # sessions opened, not yet connected (oldest first)
@@ -114,9 +120,12 @@ class SocketDataPlane:
             connection.sock.settimeout(None)  # then requests come as long as the peer lives
             logger.info("socket data plane session %s open (%s)", session[:8], peer[0])
             while True:
-                header = parse_request_header(connection.read_exact(REQUEST.size))
-                request = decode_request(header, connection.read_exact(header.payload_bytes))
-                self._respond(connection, header.sequence_id, request)
+                head = connection.read_exact(REQUEST.size)
+                header = parse_request_header(head)
+                payload = connection.read_exact(header.payload_bytes)
+                self._respond(connection, header.sequence_id, decode_request(header, payload))
+                if self._rehearse is not None and connection.busy_poll_s > 0:
+                    connection.keep_warm = functools.partial(self._rehearse_frame, head, payload)
         except FrameError as e:
             logger.warning("socket data plane session %s: %s; closed", (session or "?")[:8], e)
         except (ConnectionError, OSError, struct.error) as e:  # the peer went away (or we closed)
@@ -125,6 +134,13 @@ class SocketDataPlane:
             with self._lock:
                 self._connections.discard(connection)
             connection.close()
+
+    def _rehearse_frame(self, head: bytearray, payload: bytearray) -> None:
+        """The path from a request frame's bytes to its checked call, on an answered frame."""
+        try:
+            self._rehearse(decode_request(parse_request_header(head), payload))
+        except CallError:  # refused now (its placement went): its checks ran all the same
+            pass
 
     def _respond(self, connection: FrameSocket, sequence_id: int, request: ExpertRequest) -> None:
         """Sends the reply (from inside `answer`, before the worker counts the call's tokens) or

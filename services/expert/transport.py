@@ -8,7 +8,9 @@ Callers of `ExpertTransport`:
   they run concurrently; `PendingCall.result()` is then called once per call, on that thread;
 - `set_endpoints`: the worker's placement watcher (through the engine thread, between steps)
   when the registry shows a worker joining, at a new address, or leaving;
-- `close`: the worker at shutdown (RemoteExpertExecutor.close).
+- `close`: the worker at shutdown (RemoteExpertExecutor.close);
+- `set_rehearsal`: RemoteExpertExecutor after each layer's submit: a transport that busy-polls
+  for replies may run it while it waits, to keep the dispatch path's caches warm (socket).
 
 Implementations (`make_transport`, selected by `--expert-transport`):
 - `grpc`: `GrpcExpertTransport` here, one unary RunExperts call per request (sync channels, calls
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import grpc
@@ -64,6 +66,12 @@ class ExpertTransport(ABC):
     def set_endpoints(self, endpoints: Mapping[str, str]) -> None:
         """worker id -> 'host:port' of the workers the registry lists now (a missing one keeps its
         last address: it may come back)."""
+
+    def set_rehearsal(self, rehearsal: Callable[[], None] | None) -> None:
+        """A call without effects that repeats the caller's work around the next request (planning
+        and building it). A transport that polls while it waits may run it (the socket transport,
+        frame_socket.py's keep_warm); the others ignore it."""
+        return None
 
     def close(self) -> None:
         return None

@@ -10,7 +10,9 @@ in: no reader thread and no hop between threads on the dispatch path. A wait fir
 socket for `busy_poll_s` (non-blocking reads, yielding the CPU between them) and only then
 blocks: a core that idles through the expert's compute comes back with cold caches, and the
 planning and decoding around the call then run several times slower (benchmarks/expert_dispatch.py
-`--busy-poll` gives the figures). A read or write that fails (peer gone), passes the call's
+`--busy-poll` gives the figures); while it polls it rehearses the work around the reply (the
+last reply's decoding, the caller's planning of its next request: `set_rehearsal`, and its
+encoding; FrameSocket.keep_warm). A read or write that fails (peer gone), passes the call's
 timeout, or meets a frame that does not parse fails the peer: every pending call on it raises
 ExpertCallError and the next `submit` opens a new connection.
 """
@@ -22,7 +24,7 @@ import socket
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -38,8 +40,13 @@ MAX_STASHED = 256  # replies kept for calls not yet collected (a forward that fa
 
 
 class _Peer:
-    def __init__(self, channel: grpc.Channel, worker_id: str, endpoint: str, busy_poll_s: float):
+    def __init__(self, channel: grpc.Channel, worker_id: str, endpoint: str, busy_poll_s: float,
+                 rehearsal: Callable[[], Callable[[], None] | None] = lambda: None):  # fmt: skip
+        """`rehearsal`: the transport's current caller rehearsal (set_rehearsal), or None."""
         self.worker_id, self.endpoint = worker_id, endpoint
+        self._rehearsal = rehearsal
+        self._last_request: ExpertRequest | None = None  # what the wait rehearses (keep_warm)
+        self._last_reply: tuple[bytearray, bytearray] | None = None
         self.error: ExpertCallError | None = None  # set once the connection failed
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -51,6 +58,8 @@ class _Peer:
         host = endpoint.rsplit(":", 1)[0].strip("[]")
         sock = socket.create_connection((host, opened.store_port), timeout=OPEN_TIMEOUT_S)  # raises OSError
         self._connection = FrameSocket(sock, busy_poll_s)
+        if busy_poll_s > 0:
+            self._connection.keep_warm = self._keep_warm
         try:
             self._connection.send(encode_hello(session))
         except OSError:
@@ -68,6 +77,7 @@ class _Peer:
                 raise self.error
             sequence_id = next(self._ids)
             buffers = encode_request(sequence_id, request)
+            self._last_request = request
             try:
                 self._connection.sock.settimeout(timeout_s)
                 self._connection.send(buffers)
@@ -92,7 +102,8 @@ class _Peer:
         """One reply into the stash (under the lock); fails the peer on any error."""
         try:
             self._connection.sock.settimeout(timeout_s)
-            header = parse_reply_header(self._connection.read_exact(REPLY.size))
+            head = self._connection.read_exact(REPLY.size)
+            header = parse_reply_header(head)
             payload = self._connection.read_exact(header.payload_bytes)
         except TimeoutError:
             raise self._fail("DEADLINE_EXCEEDED", f"no reply within {timeout_s} s") from None
@@ -106,9 +117,23 @@ class _Peer:
             )
         else:
             reply = decode_reply(header, payload)
+            self._last_reply = (head, payload)
         self._stash[header.sequence_id] = reply
         while len(self._stash) > MAX_STASHED:
             self._stash.popitem(last=False)
+
+    def _keep_warm(self) -> None:
+        """While a wait polls (under the lock): the work around the awaited reply, without effects:
+        the last reply's decoding, the caller's planning of its next request, this transport's
+        encoding of it."""
+        if self._last_reply is not None:
+            head, payload = self._last_reply
+            decode_reply(parse_reply_header(head), payload)
+        rehearsal = self._rehearsal()
+        if rehearsal is not None:
+            rehearsal()
+        if self._last_request is not None:
+            encode_request(0, self._last_request)
 
     def _fail(self, code: str, details: str) -> ExpertCallError:
         if self.error is None:
@@ -132,10 +157,14 @@ class SocketExpertTransport(PerWorkerTransport):
     def __init__(self, endpoints: Mapping[str, str] | None = None, busy_poll_s: float = 0.0):
         super().__init__(endpoints)
         self.busy_poll_s = busy_poll_s
+        self._rehearsal: Callable[[], None] | None = None
+
+    def set_rehearsal(self, rehearsal: Callable[[], None] | None) -> None:
+        self._rehearsal = rehearsal
 
     def _open(self, channel: grpc.Channel, worker_id: str, endpoint: str) -> _Peer:
         try:
-            return _Peer(channel, worker_id, endpoint, self.busy_poll_s)
+            return _Peer(channel, worker_id, endpoint, self.busy_poll_s, lambda: self._rehearsal)
         except grpc.RpcError as e:
             raise ExpertCallError(worker_id, endpoint, e.code().name, e.details() or "") from None
         except OSError as e:  # the data port did not take the connection

@@ -88,7 +88,12 @@ class ExpertWorker:
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(self.servicer, server)
         self.servicer.data_plane = DistDataPlane(s.advertise_host, s.worker_id, self.servicer.answer_blocking)
         self.servicer.socket_plane = SocketDataPlane(
-            s.host, s.data_port, s.worker_id, self.servicer.answer_blocking, s.expert.busy_poll_s
+            s.host,
+            s.data_port,
+            s.worker_id,
+            self.servicer.answer_blocking,
+            s.expert.busy_poll_s,
+            self.servicer.rehearse,
         )
         await self.health.set_serving(False)
         await server.start()

@@ -201,6 +201,21 @@ def test_a_new_placement_is_adopted_at_the_first_moe_layer_only():
     assert remote.placement.version == 7
 
 
+def test_the_rehearsal_a_layer_leaves_with_its_transport_plans_again_without_effects(dispatch_path):
+    """A polling transport may run it any number of times while it waits for the replies."""
+    _, remote, transport, _ = executors(hot_doubled(WORKERS, hot=2), workers=WORKERS)
+    rehearsals = []
+    transport.set_rehearsal = rehearsals.append
+    x, ids, weights = routing(37, hot=2)
+    out = remote.forward(0, x, ids, weights)
+    calls, sent, counts = list(transport.calls), remote.num_bytes_sent, remote.compute_s
+    for _ in range(3):
+        rehearsals[-1]()
+    assert transport.calls == calls and remote.num_bytes_sent == sent and remote.compute_s == counts
+    assert torch.equal(remote.forward(0, x, ids, weights), out)
+    assert len(rehearsals) == 2  # one per layer submitted
+
+
 def test_reroute_spreads_moved_entries_over_the_live_replicas():
     replicas = np.array([0, 0, 0, 1])
     experts = np.array([0, 0, 0, 1])

@@ -202,6 +202,79 @@ def test_a_polling_read_takes_bytes_that_arrive_while_it_polls_and_blocks_for_th
     reader.close()
 
 
+def test_a_polling_read_runs_keep_warm_while_it_waits_and_for_at_most_a_tenth_of_the_time():
+    from moemesh.expert.frame_socket import WARM_DUTY
+
+    reader, writer = socket_pair(busy_poll_s=60.0)
+    writer.sendall(b"abcd")
+    reader.keep_warm = lambda: pytest.fail("keep_warm ran for bytes already in")
+    assert bytes(reader.read_exact(4)) == b"abcd"
+    starts, ends = [], []
+
+    def keep_warm():
+        starts.append(time.perf_counter())
+        time.sleep(0.005)
+        ends.append(time.perf_counter())
+        if len(starts) == 3:  # the frame comes once the reader has rehearsed three times
+            threading.Thread(target=writer.sendall, args=(b"efgh",), daemon=True).start()
+
+    reader.keep_warm = keep_warm
+    assert bytes(reader.read_exact(4)) == b"efgh"
+    assert len(starts) >= 3
+    for end, start, took in zip(ends, starts[1:], np.subtract(ends, starts)):
+        assert start - end >= took / WARM_DUTY  # the next rehearsal waits ten times what this one took
+    failures = []
+
+    def broken():
+        failures.append(1)
+        threading.Thread(target=writer.sendall, args=(b"ijkl",), daemon=True).start()
+        raise RuntimeError("a bug in a rehearsal")
+
+    reader.keep_warm = broken
+    assert bytes(reader.read_exact(4)) == b"ijkl"  # the read goes on
+    threading.Timer(0.05, writer.sendall, args=(b"mnop",)).start()
+    assert bytes(reader.read_exact(4)) == b"mnop" and failures == [1]  # and no rehearsal runs again
+    reader.close()
+    writer.close()
+
+
+def test_the_expert_side_rehearses_the_last_request_while_it_polls_and_answers_it_once():
+    answered, rehearsed, twice = [], [], threading.Event()
+
+    def answer(request: ExpertRequest, deliver) -> ExpertReply:
+        answered.append(request.layer)
+        reply = ExpertReply(2 * request.hidden_states)
+        deliver(reply)
+        return reply
+
+    def rehearse(request: ExpertRequest) -> None:
+        rehearsed.append(request)
+        if len(rehearsed) >= 2:
+            twice.set()
+        raise CallError(grpc.StatusCode.FAILED_PRECONDITION, "placement released meanwhile")  # ignored
+
+    plane = SocketDataPlane("127.0.0.1", 0, "expert-0", answer, busy_poll_s=60.0, rehearse=rehearse)
+    try:
+        connection = FrameSocket(socket.create_connection(("127.0.0.1", plane.open("s")), timeout=60))
+        connection.send(encode_hello("s"))
+        for sequence_id, layer in ((1, 3), (2, 5)):
+            sent = dataclasses.replace(random_request(torch.float32, 4, True, seed=layer), layer=layer)
+            connection.send(encode_request(sequence_id, sent))
+            header = parse_reply_header(connection.read_exact(REPLY.size))
+            reply = decode_reply(header, connection.read_exact(header.payload_bytes))
+            assert header.sequence_id == sequence_id and torch.equal(reply.outputs, 2 * sent.hidden_states)
+            assert twice.wait(60)  # rehearsals keep coming while the expert side waits
+            last = rehearsed[-1]
+            assert last.layer == layer and torch.equal(last.hidden_states, sent.hidden_states)
+            assert last.row_ids.tolist() == sent.row_ids.tolist()
+            twice.clear()
+            rehearsed.clear()
+        assert answered == [3, 5]  # each request computed once
+        connection.close()
+    finally:
+        plane.close()
+
+
 def test_a_peer_that_closes_after_the_poll_budget_is_an_error_not_a_short_read():
     reader, writer = socket_pair(busy_poll_s=0.001)
     writer.sendall(b"ab")

@@ -164,6 +164,30 @@ def test_a_hung_peer_misses_the_deadline_and_the_next_call_starts_afresh(expert_
     assert len(servicer.opened) == 2 * (kind in KEEPS_A_CONNECTION)
 
 
+def test_a_polling_socket_transport_runs_the_callers_rehearsal_while_it_waits(expert_side):
+    """While a reply is outstanding the socket transport keeps the dispatch path warm: it runs
+    the rehearsal set with set_rehearsal (and re-decodes / re-encodes its last frames)."""
+    servicer, endpoint, loop = expert_side
+    transport = make_transport("socket", {"expert-0": endpoint}, busy_poll_s=60.0)
+    try:
+        first = request(0, 3, 0)
+        assert torch.equal(transport.submit("expert-0", first, timeout_s=60).result().outputs, 2 * first.hidden_states)
+        loop.call_soon_threadsafe(servicer.hang.set)
+        rehearsals = []
+
+        def rehearsal():
+            rehearsals.append(1)
+            loop.call_soon_threadsafe(servicer.release.set)  # the reply comes once the wait has rehearsed
+
+        transport.set_rehearsal(rehearsal)
+        second = request(0, 5, 1)
+        assert torch.equal(transport.submit("expert-0", second, timeout_s=60).result().outputs,
+                           2 * second.hidden_states)  # fmt: skip
+        assert rehearsals
+    finally:
+        transport.close()
+
+
 def test_a_worker_not_in_the_registry_or_not_listening_is_unavailable_at_once(transport):
     for worker_id in ("nobody", "gone"):
         with pytest.raises(ExpertCallError) as failed:
