@@ -44,6 +44,7 @@ class ExpertRequest:
 class ExpertReply:
     outputs: torch.Tensor  # with entry_weights: [num_tokens, hidden] float32 (or x's dtype); else [num_entries, hidden]
     compute_s: float = 0.0  # the worker's compute time for this request
+    owned: bool = False  # nothing else holds the outputs' memory: the caller may keep or change them without a copy
 
 
 def _int32(values) -> np.ndarray:

@@ -176,7 +176,7 @@ def decode_reply(header: ReplyHeader, payload: bytearray) -> ExpertReply:
     if header.rows * header.cols == 0:
         return ExpertReply(torch.empty(header.rows, header.cols, dtype=header.dtype), header.compute_s)
     y = torch.frombuffer(payload, dtype=header.dtype, count=header.rows * header.cols).view(header.rows, header.cols)
-    return ExpertReply(y, header.compute_s)
+    return ExpertReply(y, header.compute_s, owned=True)  # over this reply's own payload
 
 
 def status_name(header: ReplyHeader) -> str:

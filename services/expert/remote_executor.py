@@ -254,8 +254,8 @@ class RemoteExpertExecutor(ExpertExecutor):
             self.num_bytes_received += y.nbytes
             slowest = max(slowest, reply.compute_s)
             self._down_until.pop(worker_id, None)
-            if h.out is None and batch.token_ids.size == num_tokens:
-                h.out, h.out_is_reply = y, True  # the transport's buffer: copied before it is returned or added to
+            if h.out is None and batch.token_ids.size == num_tokens:  # a buffer the transport may reuse is
+                h.out, h.out_is_reply = y, not reply.owned  # copied before it is returned or added to
                 continue
             if h.out is None:
                 h.out = torch.zeros(num_tokens, h.x.shape[1], dtype=torch.float32)

@@ -5,6 +5,8 @@ of the float32 sum differs: fp32 within a few ulps, bf16 within one bf16 ulp."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
@@ -94,6 +96,30 @@ def test_one_worker_holding_every_expert_equals_the_local_executor_bit_for_bit(d
     x = x.to(dtype)
     assert torch.equal(remote.forward(0, x, ids, weights), local.forward(0, x, ids, weights))
     assert remote.num_bytes_received == x.numel() * dtype.itemsize  # the reply came in x's dtype
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_a_sole_partial_is_returned_without_a_copy_only_when_nothing_else_holds_its_memory(owned):
+    """The socket transport's replies own their bytes (`owned`); others' may be a reused buffer."""
+    _, remote, transport, _ = executors(identity(WORKERS[:1]), torch.bfloat16, WORKERS[:1])
+    replies, submit = [], transport.submit
+
+    class Answered:
+        def __init__(self, reply):
+            self.reply = reply
+
+        def result(self):
+            return self.reply
+
+    def marking(worker_id, request, timeout_s):
+        replies.append(dataclasses.replace(submit(worker_id, request, timeout_s).result(), owned=owned))
+        return Answered(replies[-1])
+
+    transport.submit = marking
+    x, ids, weights = routing(5)
+    out = remote.forward(0, x.to(torch.bfloat16), ids, weights)
+    assert torch.equal(out, replies[0].outputs)
+    assert (out.data_ptr() == replies[0].outputs.data_ptr()) == owned
 
 
 def test_the_sole_partial_flag_survives_the_protobuf_transports():
