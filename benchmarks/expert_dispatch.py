@@ -46,8 +46,9 @@ Zen 4 guest, x1 socket, overhead 0.93-1.21 -> 0.67-0.81 ms/layer (attention-side
 rehearse the work around the next frame (frame_socket.py keep_warm: the expert side parses and
 checks the last request again, the attention side decodes the last reply and plans and encodes
 its last request again), which keeps it warm; and a socket reply, which owns its bytes, is the
-output without a copy: overhead 0.41-0.57 ms/layer (median of 12 runs 0.49; ~0.7 while the host is
-busy), dispatcher CPU ~1.0-1.2 -> ~0.5-0.7 ms per step (same guest, interleaved runs).
+output without a copy: overhead 0.41-0.57 ms/layer (8 runs of the final code: median 0.45, 7 at
+or below 0.5; ~0.7 while the host is busy), dispatcher CPU ~1.0-1.2 -> ~0.5-0.7 ms per step (same
+guest, interleaved runs).
 
 Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
 to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.
