@@ -74,6 +74,10 @@ class RemotePlacement(ExpertPlacement):
             self._layer_tables[layer] = tables
         return tables
 
+    def plan(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """`dispatch_plan.plan_layer` of this placement's layer for CPU ids and gate weights."""
+        return plan_layer(self.layer_tables(layer), lambda: self.replica_ids(layer, topk_ids), topk_ids, topk_weights)
+
 
 class _RemoteHandle(ExpertHandle):
     """One layer's calls in flight: what `wait` needs to gather, re-dispatch and combine."""
@@ -184,8 +188,7 @@ class RemoteExpertExecutor(ExpertExecutor):
         placement = self.placement
         num_tokens = hidden_states.shape[0]
         ids, cpu_weights = topk_ids.cpu(), topk_weights.detach().cpu()
-        entries, weights, batches = plan_layer(placement.layer_tables(layer),
-                                               lambda: placement.replica_ids(layer, ids), ids, cpu_weights)  # fmt: skip
+        entries, weights, batches = placement.plan(layer, ids, cpu_weights)
         replicas = entries.replicas
         # route around workers that failed recently (stranded entries try anyway); none: no lookup
         slot_down = self._slot_down(placement) if self._down_until else None
@@ -229,8 +232,7 @@ class RemoteExpertExecutor(ExpertExecutor):
     @staticmethod
     def _rehearse_submit(layer, placement: RemotePlacement, ids, cpu_weights, x) -> None:
         """`_submit`'s planning and requests again, sending nothing (ExpertTransport.set_rehearsal)."""
-        _, weights, batches = plan_layer(placement.layer_tables(layer), lambda: placement.replica_ids(layer, ids),
-                                         ids, cpu_weights)  # fmt: skip
+        _, weights, batches = placement.plan(layer, ids, cpu_weights)
         for batch in batches:
             _request(layer, placement, x, weights, batch, False)
 

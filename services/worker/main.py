@@ -6,9 +6,9 @@ calls with UNAVAILABLE (`AdmissionGate`); the engine loads in its own thread (wi
 the executor is installed once a placement is active); then the worker resyncs its (empty)
 prefix-index entry, opens the gate, heartbeats into the registry and turns SERVING. Shutdown
 (SIGTERM / SIGINT): refuse new Generate / Prefill calls (UNAVAILABLE: a router whose view still
-lists this worker retries elsewhere), NOT_SERVING, leave the registry and the index (so routers stop choosing it),
-stop the server with a grace period (in-flight requests finish or are cancelled, which aborts
-them and frees their blocks), stop the engine.
+lists this worker retries elsewhere), NOT_SERVING, leave the registry and the index (so routers
+stop choosing it), stop the server with a grace period (in-flight requests finish or are
+cancelled, which aborts them and frees their blocks), stop the engine.
 """
 
 from __future__ import annotations
