@@ -1,4 +1,5 @@
-"""Building and loading the project's C kernels (group_gemv.c, cpu_ops.c, moe_dispatch.c) on the machine that runs them.
+"""Building and loading the project's C kernels (group_gemv.c, cpu_ops.c, cpu_moe.c, moe_dispatch.c) on the
+machine that runs them.
 
 Each source is compiled with the system C compiler ($CC, else `cc` / `gcc`) for this machine
 (-march=native; tests also build AVX2-only and scalar copies) into a cache directory keyed by the

@@ -24,25 +24,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "c_parts.h"
 #include "code_blocks.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN (branch-free) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
-}
 
 /* n elements from p + at into float32 dst: one loop per dtype, so that each vectorizes */
 static inline void load_row(const void *p, int64_t at, float *dst, int64_t n, int bf16) {

@@ -1,5 +1,6 @@
-"""Pick the Triton kernel on CUDA tensors, the C kernel of cpu_ops.c for the CPU operations it
-has (where it is built and reads the tensors' layout), and the torch reference elsewhere.
+"""Pick the Triton kernel on CUDA tensors, the C kernel of cpu_ops.c / cpu_moe.c for the CPU
+operations it has (where it is built and reads the tensors' layout), and the torch reference
+elsewhere.
 
 The engine calls only these functions. Triton is imported by the kernel modules only if it is
 installed (see _triton.py), so this module imports on machines without a GPU or without triton;
@@ -8,7 +9,7 @@ CUDA tensors without triton fall back to the references.
 
 import torch
 
-from moemesh.kernels import cpu_ops
+from moemesh.kernels import cpu_moe, cpu_ops
 from moemesh.kernels._triton import HAS_TRITON
 from moemesh.kernels.fp8 import DEFAULT_BLOCK
 from moemesh.kernels.fp8_gemm import fp8_linear_triton, fp8_linear_w8a16_ref
@@ -16,7 +17,7 @@ from moemesh.kernels.fp8_moe import fp8_fused_moe_triton, fp8_fused_moe_w8a16_re
 from moemesh.kernels.gating import grouped_topk_ref, grouped_topk_triton, topk_softmax_ref, topk_softmax_triton
 from moemesh.kernels.kv_store import store_kv_cache_ref, store_kv_cache_triton
 from moemesh.kernels.mla import mla_decode_attention_ref, mla_decode_attention_triton
-from moemesh.kernels.moe import fused_moe_ref, fused_moe_triton, grouped_moe_ref
+from moemesh.kernels.moe import fused_moe_triton, group_entries, grouped_moe_ref
 from moemesh.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from moemesh.kernels.paged_attention import (
     paged_decode_attention_ref,
@@ -146,18 +147,22 @@ def grouped_topk(
 
 
 def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
-    if not _use_triton(hidden_states):
-        return fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
-    # the routing tensors are tiny: made dense here rather than rejected by the launcher
-    return fused_moe_triton(hidden_states, w13, w2, topk_weights.contiguous(), topk_ids.contiguous())
+    if _use_triton(hidden_states):
+        # the routing tensors are tiny: made dense here rather than rejected by the launcher
+        return fused_moe_triton(hidden_states, w13, w2, topk_weights.contiguous(), topk_ids.contiguous())
+    out = grouped_moe(hidden_states, w13, w2, *group_entries(topk_weights, topk_ids))  # fused_moe_ref's groups
+    return out.to(hidden_states.dtype)
 
 
 def grouped_moe(hidden_states, w13, w2, row_ids, experts, sizes, weights):
     """Entries already grouped by expert (an expert worker's request): per row of hidden_states,
     the float32 sum of weight * E(x) over its entries, in entry order. Reference: one matmul pair
-    per group on the gathered rows; Triton: the rows gathered once, fused_moe with one slot each,
-    then the weighted rows added (the same sums)."""
+    per group on the gathered rows; the C kernel (cpu_moe.c) for a CPU round of small groups;
+    Triton: the rows gathered once, fused_moe with one slot each, then the weighted rows added
+    (the same sums)."""
     if not _use_triton(hidden_states):
+        if cpu_moe.usable(hidden_states, w13, w2, sizes):
+            return cpu_moe.grouped_moe(hidden_states, w13, w2, row_ids, experts, sizes, weights)
         return grouped_moe_ref(hidden_states, w13, w2, row_ids, experts, sizes, weights)
     ids = torch.repeat_interleave(
         torch.tensor(experts, device=row_ids.device), torch.tensor(sizes, device=row_ids.device)

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "c_parts.h"
 #include "code_blocks.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -200,20 +201,6 @@ int group_gemv(const uint8_t *codes, int nibbles, const void *scale, const void 
 
 /* ---- Dequantization: rounds of more than MAX_M rows rebuild the weight and multiply densely ---- */
 
-/* float32 -> bfloat16, rounding to nearest even as torch's .to(torch.bfloat16) does (weights are finite) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* One row of a group-quantized weight (either layout, as group_gemv reads it) into `out` [K], float32
  * or bfloat16: w = code * scale (+ min) with one rounding to float32 (a fused multiply-add), then
  * one to bfloat16. The product of a code and GGUF's scales is exact in float32, so for GGUF's
@@ -307,7 +294,7 @@ static void dequantize_row(const uint8_t *c, int nibbles, const void *scale, con
         }
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + g * group;
-            for (int64_t j = 0; j < group; j++) o[j] = to_bf16(w[j]);
+            for (int64_t j = 0; j < group; j++) o[j] = float_to_bf16(w[j]);
         } else {
             memcpy((float *)out + g * group, w, (size_t)group * sizeof(float));
         }
@@ -369,8 +356,8 @@ int int4pack_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int
                 }
 #endif
                 for (int64_t j = 0; j < half_n; j++) {
-                    o[j] = to_bf16(fmaf((float)((b[j] & 0x0F) - 8), s[j], z[j]));
-                    o[half_n + j] = to_bf16(fmaf((float)((b[j] >> 4) - 8), s[half_n + j], z[half_n + j]));
+                    o[j] = float_to_bf16(fmaf((float)((b[j] & 0x0F) - 8), s[j], z[j]));
+                    o[half_n + j] = float_to_bf16(fmaf((float)((b[j] >> 4) - 8), s[half_n + j], z[half_n + j]));
                 }
             }
         }

@@ -41,6 +41,22 @@ from moemesh.kernels._triton import (
 )
 
 
+def group_entries(
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int64, < 0 = skip
+) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    """The (token, slot) entries grouped by expert (a stable sort; skipped entries dropped), as
+    `grouped_moe_ref` takes them: (row ids, the expert of each group, group sizes, weights)."""
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).long()  # [num_tokens * top_k]
+    order = torch.argsort(flat_ids, stable=True)  # skipped entries (< 0) first, then by expert
+    counts = torch.bincount(flat_ids.clamp(min=-1) + 1, minlength=1).tolist()  # [1 + max id + 1]; bin 0 = skipped
+    experts = [e for e, n in enumerate(counts[1:]) if n]
+    sizes = [counts[e + 1] for e in experts]
+    active = order[counts[0] :]  # [num_active_entries], grouped by expert
+    return active // top_k, experts, sizes, topk_weights.reshape(-1).float()[active]
+
+
 def fused_moe_ref(
     hidden_states: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
@@ -50,15 +66,7 @@ def fused_moe_ref(
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Tokens grouped by expert (stable sort of the entries), one matmul pair per active expert,
     weighted rows index_add-ed into an fp32 output."""
-    top_k = topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1).long()  # [num_tokens * top_k]
-    order = torch.argsort(flat_ids, stable=True)  # skipped entries (< 0) first, then by expert
-    counts = torch.bincount(flat_ids.clamp(min=-1) + 1, minlength=1).tolist()  # [1 + max id + 1]; bin 0 = skipped
-    experts = [e for e, n in enumerate(counts[1:]) if n]
-    sizes = [counts[e + 1] for e in experts]
-    active = order[counts[0] :]  # [num_active_entries], grouped by expert
-    weights = topk_weights.reshape(-1).float()[active]
-    out = grouped_moe_ref(hidden_states, w13, w2, active // top_k, experts, sizes, weights)
+    out = grouped_moe_ref(hidden_states, w13, w2, *group_entries(topk_weights, topk_ids))
     return out.to(hidden_states.dtype)
 
 

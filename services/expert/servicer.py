@@ -32,7 +32,7 @@ from moemesh.common.metrics import ExpertMetrics
 from moemesh.expert.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
 from moemesh.expert.replicas import HostedVersion, ReplicaStore
 from moemesh.expert.wire import WireError
-from moemesh.kernels import moe_dispatch
+from moemesh.kernels import cpu_moe, moe_dispatch
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
 
@@ -181,6 +181,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.socket_plane = None  # socket_server.SocketDataPlane of the socket transport, set by the worker
         self._closing = asyncio.Event()
         moe_dispatch.library()  # the request checks' C pass, built now rather than on the first request
+        cpu_moe.library()  # and the CPU expert kernel (kernels/cpu_moe.c)
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
         try:

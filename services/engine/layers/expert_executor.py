@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moemesh import kernels
+from moemesh.kernels import cpu_moe
 from moemesh.kernels.dispatch import fp8_fused_moe
 
 
@@ -218,6 +219,8 @@ class LocalExpertExecutor(ExpertExecutor):
         self.placement = placement or ExpertPlacement.identity(max(1, len(self.experts)), max(1, num_experts))
         self._check(self.placement)
         self._replica_weights: dict[int, tuple] = {}  # layer -> (key, *replica tensors)
+        if self.experts and self.experts[0].w13.device.type == "cpu":
+            cpu_moe.library()  # the CPU expert kernel (kernels/cpu_moe.c), built now, not in the first MoE layer
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         self._check(placement)
