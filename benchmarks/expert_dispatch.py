@@ -15,7 +15,10 @@ decodes; "MoE" = the part of a step spent in the expert executor (all MoE layers
 workers report it in `compute_s`) / MoE layers: what dispatch costs per layer beyond computing the
 experts (grouping, serialization, transport, the worker's gRPC/asyncio path, combine); "vs local"
 = (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative);
-"x local tok/s" = this row's tokens/s over the local row's. With ping-pong overlap on, a MoE
+"x local tok/s" = the median over `--repeats` passes of (that pass's local step / this
+row's step): each pass runs the local engine, then every remote row, so a host whose speed drifts
+moves both sides of a ratio alike (the other cells are medians over the passes; each cluster's
+transports and the local engine first run unmeasured). With ping-pong overlap on, a MoE
 layer's remote wait overlaps the other micro-batch's attention, so the per-layer columns are
 left out ("-"): step time and tokens/s are what overlap changes. "auto" (the serving default) times
 the decode rounds both ways for its first rounds and keeps the faster; the cell says which. "floor" = median round trip of an
@@ -49,6 +52,16 @@ its last request again), which keeps it warm; and a socket reply, which owns its
 output without a copy: overhead 0.41-0.57 ms/layer (8 runs of the final code: median 0.45, 7 at
 or below 0.5; ~0.7 while the host is busy), dispatcher CPU ~1.0-1.2 -> ~0.5-0.7 ms per step (same
 guest, interleaved runs).
+
+The experts themselves: since kernels/cpu_moe.c computes a decode round's expert groups (each
+expert's weights read once per four rows, instead of a torch matmul pair per expert that cost
+~4x the weights' bytes), the local MoE time of this shape went 46 -> 14 ms a step and the local
+row 557 -> ~1,300-1,550 tok/s (same guest). Dispatch overhead is unchanged (x1 socket 0.44-0.49
+ms/layer in quiet passes), so it weighs ~3x more against the compute: `--repeats 5`, x1/x2
+socket: x1 off 1.02, on 1.06; x2 off 1.11, on 0.89, auto (off) 1.03. Ping-pong's cost on the
+expert side also shrank: a micro-batch of 16 tokens still reaches ~27 of a worker's 32 experts,
+but a kernel bound by the weights' bytes pays 4.2 ms for 16 tokens against 6.9 for 32 (the
+torch matmul pairs: 17.8 against 21.7), so x2 on went 0.69-0.82 -> 0.88-1.00 of local.
 
 Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
 to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.
@@ -144,6 +157,9 @@ class Timed:
 EXTRA_COLUMNS: dict = {}  # column name -> fn(llm, remote executor, run result tuple) -> str
 
 
+WARMUP_TOKENS = 8  # an unmeasured run before the local row and before each cluster's rows
+
+
 def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | None = None, remote=None):
     """(outputs, median decode-step s, MoE s per decode step, waiting s per decode step, tokens per step,
     MoE s per decode step not spent in the slowest worker's expert compute)."""
@@ -218,6 +234,12 @@ def main() -> None:
         default=ExpertSettings.busy_poll_s,
         help="socket transport: seconds both sides poll before a wait blocks (--expert-busy-poll; 0: block at once)",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measured passes over the rows, interleaved with a local run each (a row's cells: medians)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(1)
@@ -229,12 +251,20 @@ def main() -> None:
         llm = LLM(path, num_blocks=1024, max_model_len=512, max_num_seqs=max(64, args.requests), show_progress=False)
         model = llm.engine.model
         local = model.moe_runtime.executor
-        model.set_expert_executor(Timed(local))
-        expected, local_step, local_moe, _, tokens, _ = run(llm, prompts, args.new_tokens)
         num_moe_layers = len(model.moe_layer_ids)
         dtype = local.experts[0].w13.dtype  # what dtype "auto" picked on this CPU
-        rows.append(["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
-                     f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes", *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
+
+        def run_local():
+            model.set_expert_executor(Timed(local))
+            result = run(llm, prompts, args.new_tokens)
+            local_runs.append(result)
+            return result
+
+        local_runs: list[tuple] = []
+        model.set_expert_executor(Timed(local))
+        run(llm, prompts, WARMUP_TOKENS)  # first touches (allocator, caches) out of the measured rows
+        expected, _, _, _, tokens, _ = run_local()
+        remote_rows = []
         for num_workers in args.workers:
             spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
                                num_threads=args.threads, log_dir=tmp,
@@ -253,38 +283,74 @@ def main() -> None:
                 first = next(iter(endpoints))
                 floors = {kind: transport_floor(kind, first, endpoints[first], placement.version, args.busy_poll)
                           for kind in args.transports}  # fmt: skip
-                for kind, overlap in itertools.product(args.transports, args.overlap):
-                    waits = WaitTimed(make_transport(kind, endpoints, busy_poll_s=args.busy_poll))
-                    remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
-                    model.set_expert_executor(Timed(remote))
-                    llm.engine.runner.micro_batch_overlap = {"on": True, "off": False, "auto": None}[overlap]
-                    llm.engine.runner.overlap_tuner = OverlapTuner()
-                    result = run(llm, prompts, args.new_tokens, waits, remote)
-                    if overlap == "auto":  # what it settled on for the all-decode rounds
+                for kind in args.transports:  # each transport's first rounds (the workers' too) unmeasured
+                    warm = RemoteExpertExecutor(make_transport(kind, endpoints, busy_poll_s=args.busy_poll),
+                                                RemotePlacement(placement))  # fmt: skip
+                    model.set_expert_executor(Timed(warm))
+                    run(llm, prompts, WARMUP_TOKENS)
+                    warm.close()
+                configs = list(itertools.product(args.transports, args.overlap))
+                passes = {config: [] for config in configs}  # -> [(result, local step, remote, choice)]
+                for _ in range(args.repeats):
+                    local_step = run_local()[1]
+                    for kind, overlap in configs:
+                        waits = WaitTimed(make_transport(kind, endpoints, busy_poll_s=args.busy_poll))
+                        remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
+                        model.set_expert_executor(Timed(remote))
+                        llm.engine.runner.micro_batch_overlap = {"on": True, "off": False, "auto": None}[overlap]
+                        llm.engine.runner.overlap_tuner = OverlapTuner()
+                        result = run(llm, prompts, args.new_tokens, waits, remote)
                         chosen = llm.engine.runner.overlap_tuner.chosen().get(round_shape(args.requests, True))
-                        overlap = f"auto ({'on' if chosen else 'off' if chosen is not None else '?'})"
-                    outputs, step, moe, wait, tokens = result[:5]
-                    moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(prompts, args))
-                    overhead = result[5] / num_moe_layers
-                    versus_local = (moe - local_moe) / num_moe_layers
-                    serial = overlap == "off"  # the per-layer columns mean something only without overlap
-                    ms = lambda v, fmt=".2f": f"{v * 1e3:{fmt}}" if serial else "-"  # noqa: E731
-                    rows.append([f"remote x{num_workers}", kind, overlap, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}",
-                                 f"{local_step / step:.2f}", ms(moe), ms(overhead), ms(versus_local, "+.2f"),
-                                 ms(wait), ms(moe - wait), f"{floors[kind] * 1e3:.2f}", f"{moved / 1024:.1f} KiB",
-                                 "yes" if outputs == expected else "NO",
-                                 *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()]])  # fmt: skip
-                    remote.close()
+                        passes[(kind, overlap)].append((result, local_step, remote, chosen))
+                        remote.close()
                 llm.engine.runner.micro_batch_overlap = None
+                for (kind, overlap), runs in passes.items():
+                    remote_rows.append(remote_row(num_workers, kind, overlap, runs, expected, floors[kind], prompts,
+                                                  args, num_moe_layers, llm))  # fmt: skip
             finally:
                 cluster.stop()
         model.set_expert_executor(local)
+        local_step, local_moe = median(r[1] for r in local_runs), median(r[2] for r in local_runs)
+        same = all(r[0] == expected for r in local_runs)
+        rows.append(["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
+                     f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes" if same else "NO",
+                     *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
+        rows += [row(local_moe) for row in remote_rows]
     print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
           f"{num_moe_layers} MoE layers, {str(dtype).removeprefix('torch.')}; decode batch {args.requests} x {args.new_tokens} new tokens; "
           f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
     print_table(["experts", "transport", "overlap", "step ms", "tokens/s", "x local tok/s", "MoE ms/step",
                  "overhead ms/layer", "vs local ms/layer", "waiting",
                  "dispatcher CPU", "floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
+
+
+def median(values) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def remote_row(num_workers, kind, overlap, runs, expected, floor, prompts, args, num_moe_layers, llm):
+    """The table row of one (workers, transport, overlap) from its passes, as a function of the
+    local MoE time: medians over the passes; "x local" = the median of each pass's local step over
+    its remote step (a local run precedes each pass)."""
+    results = [r for r, *_ in runs]
+    step, moe, wait = (median(r[i] for r in results) for i in (1, 2, 3))
+    overhead = median(r[5] for r in results) / num_moe_layers
+    ratio = median(local_step / r[1] for r, local_step, *_ in runs)
+    if overlap == "auto":  # what it settled on for the all-decode rounds, in each pass
+        picks = ["on" if c else "off" if c is not None else "?" for *_, c in runs]
+        overlap = f"auto ({'/'.join(picks) if len(set(picks)) > 1 else picks[0]})"
+    result, _, remote, _ = runs[-1]
+    moved = (remote.num_bytes_sent + remote.num_bytes_received) / max(1, remote_tokens(prompts, args))
+    tokens = result[4]
+    serial = overlap == "off"  # the per-layer columns mean something only without overlap
+    ms = lambda v, fmt=".2f": f"{v * 1e3:{fmt}}" if serial else "-"  # noqa: E731
+    same = "yes" if all(r[0] == expected for r in results) else "NO"
+    return lambda local_moe: [
+        f"remote x{num_workers}", kind, overlap, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{ratio:.2f}",
+        ms(moe), ms(overhead), ms((moe - local_moe) / num_moe_layers, "+.2f"), ms(wait), ms(moe - wait),
+        f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB", same, *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()],
+    ]  # fmt: skip
 
 
 def remote_tokens(prompts, args) -> int:
