@@ -8,26 +8,29 @@ weights costs several times the weights' bytes (measured on a 2-vCPU Zen 4 guest
 once per four rows.
 
 kernels/dispatch.py calls it for CPU tensors of float32 or bfloat16 with hidden and intermediate
-sizes that are multiples of 32, when every group has at most MAX_GROUP_ROWS entries (prefill's
-larger groups are matmuls, which torch does better), and the torch reference otherwise.
+sizes that are multiples of 32, and the torch reference otherwise. Groups of more than
+MAX_GROUP_ROWS entries (prefill's, or a hot expert's in a large decode round) are matmuls, which
+torch does better: they take the reference's path, the rest of the call the kernel's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 from pathlib import Path
 
 import torch
 
 from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library
+from moemesh.kernels.moe import grouped_moe_ref
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_GROUP_ROWS = 16  # larger groups: torch's matmul (see module docstring)
+MAX_GROUP_ROWS = 16  # larger groups: torch's matmuls (at 24 rows the two cost the same, bf16)
 ALIGN = 32  # hidden and intermediate sizes: multiples of this (the kernel's vector loops)
 
 
@@ -46,8 +49,8 @@ def library() -> ctypes.CDLL | None:
     return build(NATIVE_FLAGS)
 
 
-def usable(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, sizes: list[int]) -> bool:
-    """The C kernel reads these tensors and beats torch on these groups."""
+def usable(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The C kernel reads these tensors."""
     return (
         hidden_states.dtype in DTYPES
         and hidden_states.device.type == "cpu"
@@ -63,7 +66,6 @@ def usable(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, siz
         and w13.shape[0] == w2.shape[0]
         and hidden_states.shape[1] % ALIGN == 0
         and w2.shape[2] % ALIGN == 0
-        and max(sizes, default=0) <= MAX_GROUP_ROWS
         and library() is not None
     )
 
@@ -78,13 +80,31 @@ def grouped_moe(
     weights: torch.Tensor,  # [num_entries] float32
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden] float32
-    """Per row of hidden_states, the float32 sum of weight * E(x) over its entries, in entry order
-    (grouped_moe_ref's contract). An expert or row id out of range raises IndexError."""
+    """Per row of hidden_states, the float32 sum of weight * E(x) over its entries (grouped_moe_ref's
+    contract): groups of at most MAX_GROUP_ROWS entries in the C kernel, in group order, then the
+    larger ones with the reference's matmuls, in group order. An expert or row id out of range
+    raises IndexError."""
     lib = lib or library()
     num_entries = sum(sizes)
     if len(experts) != len(sizes) or row_ids.numel() != num_entries or weights.numel() != num_entries:
         raise ValueError(f"grouped_moe: {len(experts)} experts, {len(sizes)} sizes ({num_entries} entries), "
                          f"{row_ids.numel()} row ids, {weights.numel()} weights")  # fmt: skip
+    large = [i for i, n in enumerate(sizes) if n > MAX_GROUP_ROWS]
+    if not large:
+        return _run(lib, hidden_states, w13, w2, row_ids, experts, sizes, weights)
+    if len(large) == len(sizes):  # a prefill round: all matmuls
+        return grouped_moe_ref(hidden_states, w13, w2, row_ids, experts, sizes, weights)
+    starts = [0, *itertools.accumulate(sizes)]
+    small = [i for i, n in enumerate(sizes) if n <= MAX_GROUP_ROWS]
+    entries = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in small])
+    out = _run(lib, hidden_states, w13, w2, row_ids[entries], [experts[i] for i in small], [sizes[i] for i in small],
+               weights[entries])  # fmt: skip
+    entries = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in large])
+    return out.add_(grouped_moe_ref(hidden_states, w13, w2, row_ids[entries], [experts[i] for i in large],
+                                    [sizes[i] for i in large], weights[entries]))  # fmt: skip
+
+
+def _run(lib, hidden_states, w13, w2, row_ids, experts, sizes, weights) -> torch.Tensor:
     row_ids = row_ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     groups = torch.tensor([experts, sizes], dtype=torch.int64)  # [2, num_groups]
@@ -97,5 +117,5 @@ def grouped_moe(
     if rc == -1:
         raise IndexError(f"grouped_moe: an expert id (of {w13.shape[0]}) or row id (of {num_tokens}) is out of range")
     if rc != 0:
-        raise MemoryError(f"grouped_moe: no memory for {num_entries} entries' activations")
+        raise MemoryError(f"grouped_moe: no memory for {row_ids.numel()} entries' activations")
     return out

@@ -161,7 +161,7 @@ def grouped_moe(hidden_states, w13, w2, row_ids, experts, sizes, weights):
     Triton: the rows gathered once, fused_moe with one slot each, then the weighted rows added
     (the same sums)."""
     if not _use_triton(hidden_states):
-        if cpu_moe.usable(hidden_states, w13, w2, sizes):
+        if cpu_moe.usable(hidden_states, w13, w2):
             return cpu_moe.grouped_moe(hidden_states, w13, w2, row_ids, experts, sizes, weights)
         return grouped_moe_ref(hidden_states, w13, w2, row_ids, experts, sizes, weights)
     ids = torch.repeat_interleave(

@@ -105,37 +105,40 @@ def test_ids_out_of_range_and_inconsistent_groups_are_refused():
         cpu_moe.grouped_moe(x, w13, w2, row_ids, experts, [*sizes[:-1], sizes[-1] + 1], weights, lib=lib)
 
 
-def test_dispatch_takes_the_c_kernel_for_small_cpu_groups_and_the_reference_otherwise(monkeypatch):
+def test_dispatch_takes_the_c_kernel_for_small_groups_and_matmuls_for_large_ones(monkeypatch):
     if cpu_moe.library() is None:
         pytest.skip("no C compiler here")
     calls = []
-    original = cpu_moe.grouped_moe
-    monkeypatch.setattr(cpu_moe, "grouped_moe", lambda *a: calls.append(a) or original(*a))
+    original = cpu_moe._run
+    monkeypatch.setattr(cpu_moe, "_run", lambda *a: calls.append(a[6]) or original(*a))  # the groups' sizes
     args = _inputs(torch.bfloat16)
     torch.testing.assert_close(dispatch.grouped_moe(*args), grouped_moe_ref(*args), **TOLERANCES[torch.bfloat16])
+    assert calls == [args[5]]
+    big = cpu_moe.MAX_GROUP_ROWS + 1
+    prefill = _inputs(torch.bfloat16, sizes=(big, big + 3))  # a prefill round's groups: all matmuls
+    assert torch.equal(dispatch.grouped_moe(*prefill), grouped_moe_ref(*prefill))
     assert len(calls) == 1
-    big = _inputs(torch.bfloat16, sizes=(cpu_moe.MAX_GROUP_ROWS + 1, 2))  # a prefill round's group: a matmul
-    many = torch.randint(0, 20, (cpu_moe.MAX_GROUP_ROWS + 3,))
-    big = (*big[:3], many, big[4], big[5], torch.rand(many.numel()))
-    assert torch.equal(dispatch.grouped_moe(*big), grouped_moe_ref(*big))
+    mixed = _inputs(torch.float32, sizes=(3, big, 1, big + 2, 16))  # a hot expert in a large decode round
+    out = dispatch.grouped_moe(*mixed)
+    assert calls[1] == [3, 1, 16]  # only the small groups in C; the large ones as matmuls
+    assert_close_f64(out, _oracle(*mixed), torch.float32)
     odd = _inputs(torch.float32)
     narrow = (odd[0][:, : HIDDEN - 8], odd[1][:, :, : HIDDEN - 8].contiguous(), odd[2][:, : HIDDEN - 8].contiguous())
     assert torch.equal(dispatch.grouped_moe(*narrow, *odd[3:]), grouped_moe_ref(*narrow, *odd[3:]))  # not 32-aligned
-    assert len(calls) == 1
+    assert len(calls) == 2
     # the engine's local experts: fused_moe groups the top-k entries and takes the same kernel
     x, w13, w2 = args[:3]
     topk_ids = torch.stack([torch.randperm(NUM_EXPERTS)[:3] for _ in range(x.shape[0])])
     topk_ids[2, 1] = -1  # a skipped slot
     topk_weights = torch.rand(topk_ids.shape)
     out = dispatch.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    assert len(calls) == 2 and out.dtype == x.dtype
-    mine = torch.where(topk_ids >= 0, topk_ids, 0)
+    assert len(calls) == 3 and out.dtype == x.dtype
     oracle = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(3):
             if topk_ids[t, j] >= 0:
-                e, xt = int(mine[t, j]), x[t].double()
-                gate_up = w13[e].double() @ xt
+                e = int(topk_ids[t, j])
+                gate_up = w13[e].double() @ x[t].double()
                 act = F.silu(gate_up[:INTER]) * gate_up[INTER:]
                 oracle[t] += float(topk_weights[t, j]) * (w2[e].double() @ act)
     assert_close_f64(out, oracle, torch.bfloat16)
