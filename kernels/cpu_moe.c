@@ -129,7 +129,10 @@ static inline const void *row_at(const void *base, int64_t row, int64_t stride, 
     return bf16 ? (const void *)((const uint16_t *)base + row * stride) : (const void *)((const float *)base + row * stride);
 }
 
-/* act rows [starts[g], starts[g] + sizes[g]) for weight rows [n0, n1) of the intermediate */
+/* act rows [starts[g], starts[g] + sizes[g]) for weight rows [n0, n1) of the intermediate: CHUNK
+ * rows of x over the expert's rows, then the next CHUNK (the expert's weights again, from L2).
+ * The other order, a weight row over up to 16 rows of x while in L1, measured slower: 15 against
+ * 11 ms for 64 experts of 8 rows each */
 static void gate_up_rows(const void *x, int64_t x_stride, const void *w13, int64_t hidden, int64_t inter,
                          const int64_t *row_ids, const int64_t *experts, const int64_t *sizes, const int64_t *starts,
                          int64_t num_groups, void *act, int bf16, int64_t n0, int64_t n1) {
