@@ -61,7 +61,10 @@ ms/layer in quiet passes), so it weighs ~3x more against the compute: `--repeats
 socket: x1 off 1.02, on 1.06; x2 off 1.11, on 0.89, auto (off) 1.03. Ping-pong's cost on the
 expert side also shrank: a micro-batch of 16 tokens still reaches ~27 of a worker's 32 experts,
 but a kernel bound by the weights' bytes pays 4.2 ms for 16 tokens against 6.9 for 32 (the
-torch matmul pairs: 17.8 against 21.7), so x2 on went 0.69-0.82 -> 0.88-1.00 of local.
+torch matmul pairs: 17.8 against 21.7), so x2 on went 0.69-0.82 -> 0.78-1.00 of local. Ping-pong
+pays where attention weighs and a core is free for it: `--prompt-tokens 384 --repeats 3`, x1
+socket (engine and worker one vCPU each): off 1.01-1.03, on 1.27 (both passes); x2 (three
+processes on two vCPUs: no idle core to overlap onto): off 1.12, on 1.02.
 
 Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
 to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.
@@ -181,7 +184,11 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | 
             moe.append(timed.seconds - moe_before)
             wait.append((waits.seconds if waits else 0.0) - wait_before)
             overhead.append(moe[-1] - ((remote.compute_s if remote else 0.0) - compute_before))
-    steps, moe, wait, overhead = (sorted(v[2:-2]) for v in (steps, moe, wait, overhead))  # drop fill and drain
+    if len(steps) > 4:  # drop fill and drain
+        steps, moe, wait, overhead = (v[2:-2] for v in (steps, moe, wait, overhead))
+    if not steps:
+        raise SystemExit(f"no round had all {len(prompts)} requests decoding: more --new-tokens, or fewer --requests")
+    steps, moe, wait, overhead = (sorted(v) for v in (steps, moe, wait, overhead))
     mid = len(steps) // 2
     return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts), overhead[mid]
 
