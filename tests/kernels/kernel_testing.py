@@ -1,6 +1,9 @@
 """Factories and tolerances shared by the kernel tests (imported as a plain module)."""
 
+import pytest
 import torch
+
+from moemesh.kernels import c_library
 
 # fp32 within ~1e-5; bf16 within ~1e-2 (plus one bf16 ulp: the interpreter truncates bf16 casts).
 TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
@@ -33,3 +36,19 @@ def gather_positions(cache: torch.Tensor, block_table: torch.Tensor, length: int
     """Token rows 0..length-1 of one request, gathered one position at a time (float64)."""
     rows = [cache[int(block_table[p // block_size]), p % block_size] for p in range(length)]
     return torch.stack(rows).double() if rows else cache.new_zeros((0, *cache.shape[2:])).double()
+
+
+# the builds of a C kernel library a test runs where this machine can: -march=native, AVX2 only,
+# and no vector flags (the scalar loops)
+C_BUILDS = {"native": c_library.NATIVE_FLAGS, "avx2": ("-mavx2", "-mfma", "-mf16c"), "scalar": ()}
+
+
+def built_library(build_fn, build: str):
+    """`build_fn(flags)` (a kernel module's `build`) for one of C_BUILDS; skips where this CPU
+    lacks the build's flags or no compiler is found."""
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= set(c_library.cpu_flags().split()):
+        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    lib = build_fn(C_BUILDS[build])
+    if lib is None:
+        pytest.skip("no C compiler here")
+    return lib

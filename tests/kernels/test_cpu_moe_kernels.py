@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import TOLERANCES, assert_close_f64
-from test_int4_decode_kernel import BUILDS
+from kernel_testing import C_BUILDS as BUILDS
+from kernel_testing import TOLERANCES, assert_close_f64, built_library
 
-from moemesh.kernels import c_library, cpu_moe, dispatch
+from moemesh.kernels import cpu_moe, dispatch
 from moemesh.kernels.moe import grouped_moe_ref
 
 HIDDEN, INTER, NUM_EXPERTS = 96, 64, 7
@@ -18,12 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _library(build: str):
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= set(c_library.cpu_flags().split()):
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
-    lib = cpu_moe.build(BUILDS[build])
-    if lib is None:
-        pytest.skip("no C compiler here")
-    return lib
+    return built_library(cpu_moe.build, build)
 
 
 def _inputs(dtype, sizes=(1, 4, 5, 9, 16, 3), seed=0):

@@ -8,25 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_testing import C_BUILDS, built_library
 
 from moemesh.kernels import c_library
 from moemesh.kernels import group_gemv as gg
 
-BUILDS = {"native": gg.NATIVE_FLAGS, "avx2": ("-mavx2", "-mfma", "-mf16c"), "scalar": ()}
+BUILDS = C_BUILDS
 N = 40
 
 
-def _cpu_has(flag: str) -> bool:
-    return flag in c_library.cpu_flags().split()
-
-
 def _library(build: str):
-    if build == "avx2" and not (_cpu_has("avx2") and _cpu_has("fma") and _cpu_has("f16c")):
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
-    lib = gg.build(BUILDS[build])
-    if lib is None:
-        pytest.skip("no C compiler here")
-    return lib
+    return built_library(gg.build, build)
 
 
 def _weight(layout: str, k: int, group: int, scale_dtype: torch.dtype, with_mins: bool, seed: int = 0):

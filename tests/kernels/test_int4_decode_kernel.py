@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import C_BUILDS, built_library
 from test_group_dequantize_kernels import _int4_weight, pack_int4
 
-from moemesh.kernels import c_library, cpu_ops, group_gemv
+from moemesh.kernels import cpu_ops, group_gemv
 
-BUILDS = {"native": cpu_ops.NATIVE_FLAGS, "avx2": ("-mavx2", "-mfma", "-mf16c"), "scalar": ()}
+BUILDS = C_BUILDS
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, GROUP = 64, 2, 1, 32, 64, 32
 BLOCK_SIZE, NUM_BLOCKS, EPS = 4, 6, 1e-5
 
 
 def _library(build: str):
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= set(c_library.cpu_flags().split()):
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
-    lib = cpu_ops.build(BUILDS[build])
-    if lib is None:
-        pytest.skip("no C compiler here")
-    return lib
+    return built_library(cpu_ops.build, build)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
