@@ -41,6 +41,24 @@
 #define ZERO() _mm512_setzero_ps()
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define HSUM(v) _mm512_reduce_add_ps(v)
+/* the sums of a, b, c and d's lanes, in that order: their reductions share the shuffles */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0 b0 a1 b1 per 128 bits */
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2))); /* a b c d per 128 bits */
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+/* res[0:mc] = the lane sums of acc[0:mc] (mc <= 4). Each sum is added in the same order whatever
+ * its position and mc: an entry's result does not depend on how many rows share its expert (one
+ * micro-batch or two give the same bits) */
+static inline __attribute__((always_inline)) void hsums(const __m512 *acc, float *res, const int mc) {
+    __m512 zero = _mm512_setzero_ps();
+    float sums[4];
+    _mm_storeu_ps(sums, hsum4(acc[0], acc[1], mc > 2 ? acc[2] : zero, mc > 3 ? acc[3] : zero));
+    for (int m = 0; m < mc; m++) res[m] = sums[m];
+}
 #define LOAD_F32(p) _mm512_loadu_ps(p)
 #define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -73,7 +91,7 @@ static inline __attribute__((always_inline)) void dot_rows(const void *w, const 
             for (int m = 0; m < mc; m++)
                 acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512((const uint16_t *)x[m] + i), wv);
         }
-        for (int m = 0; m < mc; m++) res[m] = _mm512_reduce_add_ps(acc[m]);
+        hsums(acc, res, mc);
         return;
     }
 #endif
@@ -89,7 +107,11 @@ static inline __attribute__((always_inline)) void dot_rows(const void *w, const 
             for (int m = 0; m < mc; m++) acc[m] = FMA(LOAD_F32((const float *)x[m] + i), wv, acc[m]);
         }
     }
+#if defined(__AVX512F__)
+    hsums(acc, res, mc);
+#else
     for (int m = 0; m < mc; m++) res[m] = HSUM(acc[m]);
+#endif
 #else
     for (int m = 0; m < mc; m++) {
         float sum = 0.0f;

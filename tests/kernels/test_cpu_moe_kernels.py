@@ -79,6 +79,22 @@ def test_the_result_does_not_depend_on_the_thread_count(dtype):
     assert torch.equal(one, three)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_entry_gives_the_same_bits_whatever_else_shares_its_expert(build, dtype):
+    """Ping-pong splits a round's tokens in two: an expert's rows then come in smaller groups. The
+    rows of one group of 7, computed as groups of 1, 2 and 4 (and within a group of 11 that has 4
+    rows more), give the same bits."""
+    lib = _library(build)
+    x, w13, w2, _, _, _, _ = _inputs(dtype)
+    rows, weights = torch.randperm(x.shape[0])[:11], torch.rand(11) + 0.1
+    whole = cpu_moe.grouped_moe(x, w13, w2, rows[:7], [2], [7], weights[:7], lib=lib)
+    split = cpu_moe.grouped_moe(x, w13, w2, rows[:7], [2, 2, 2], [1, 2, 4], weights[:7], lib=lib)
+    more = cpu_moe.grouped_moe(x, w13, w2, rows, [2], [11], weights, lib=lib)
+    assert torch.equal(whole, split)
+    assert torch.equal(whole[rows[:7]], more[rows[:7]])
+
+
 def test_no_groups_and_empty_groups_give_zeros():
     lib = _library("native")
     x, w13, w2, _, _, _, _ = _inputs(torch.float32)
