@@ -55,16 +55,18 @@ guest, interleaved runs).
 
 The experts themselves: since kernels/cpu_moe.c computes a decode round's expert groups (each
 expert's weights read once per four rows, instead of a torch matmul pair per expert that cost
-~4x the weights' bytes), the local MoE time of this shape went 46 -> 14 ms a step and the local
-row 557 -> ~1,300-1,550 tok/s (same guest). Dispatch overhead is unchanged (x1 socket 0.44-0.49
-ms/layer in quiet passes), so it weighs ~3x more against the compute: `--repeats 5`, x1/x2
-socket: x1 off 1.02, on 1.06; x2 off 1.11, on 0.89, auto (off) 1.03. Ping-pong's cost on the
-expert side also shrank: a micro-batch of 16 tokens still reaches ~27 of a worker's 32 experts,
-but a kernel bound by the weights' bytes pays 4.2 ms for 16 tokens against 6.9 for 32 (the
-torch matmul pairs: 17.8 against 21.7), so x2 on went 0.69-0.82 -> 0.78-1.00 of local. Ping-pong
-pays where attention weighs and a core is free for it: `--prompt-tokens 384 --repeats 3`, x1
-socket (engine and worker one vCPU each): off 1.01-1.03, on 1.27 (both passes); x2 (three
-processes on two vCPUs: no idle core to overlap onto): off 1.12, on 1.02.
+~4x the weights' bytes), the local MoE time of this shape went 46 -> 13 ms a step and the local
+row 557 -> ~1,300-1,560 tok/s (same guest). Dispatch overhead is unchanged (x1 socket 0.44-0.54
+ms/layer beyond compute), so it weighs ~3.5x more against the compute. `--repeats 5`, x1/x2
+socket, three runs: x1 off 0.92-1.02, on 0.92-1.06; x2 off 1.06-1.11, auto (off) 1.03-1.13, on
+0.77-0.89. Ping-pong splits the expert side's work badly once that work is bound by the weights'
+bytes: a micro-batch of 16 tokens still reaches ~27 of a worker's 32 experts and pays ~60 us of
+weight streaming per expert reached, so two micro-batches stream ~1.7x the weights of one batch;
+with three processes (engine, two workers) on two vCPUs there is no idle core for the overlap to
+win that back. Ping-pong pays where attention weighs and a core is free for it:
+`--prompt-tokens 384 --repeats 3`, x1 socket (engine and worker one vCPU each): off 1.01-1.03,
+on 1.27 (two runs); x2: off 1.12, on 1.02. `auto`, the serving default, measures both per round
+shape and keeps the faster.
 
 Hook for later columns (ping-pong overlap, other transports): `EXTRA_COLUMNS` maps a column name
 to a function (llm, remote executor, run result) -> cell text, evaluated for every remote row.
