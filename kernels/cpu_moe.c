@@ -40,7 +40,6 @@
 #define VEC __m512
 #define ZERO() _mm512_setzero_ps()
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define HSUM(v) _mm512_reduce_add_ps(v)
 /* the sums of a, b, c and d's lanes, in that order: their reductions share the shuffles */
 static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0 b0 a1 b1 per 128 bits */
@@ -56,7 +55,7 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 static inline __attribute__((always_inline)) void hsums(const __m512 *acc, float *res, const int mc) {
     __m512 zero = _mm512_setzero_ps();
     float sums[4];
-    _mm_storeu_ps(sums, hsum4(acc[0], acc[1], mc > 2 ? acc[2] : zero, mc > 3 ? acc[3] : zero));
+    _mm_storeu_ps(sums, hsum4(acc[0], mc > 1 ? acc[1] : zero, mc > 2 ? acc[2] : zero, mc > 3 ? acc[3] : zero));
     for (int m = 0; m < mc; m++) res[m] = sums[m];
 }
 #define LOAD_F32(p) _mm512_loadu_ps(p)
@@ -72,7 +71,10 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-#define HSUM(v) hsum8(v)
+/* res[0:mc] = the lane sums of acc[0:mc] */
+static inline __attribute__((always_inline)) void hsums(const __m256 *acc, float *res, const int mc) {
+    for (int m = 0; m < mc; m++) res[m] = hsum8(acc[m]);
+}
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 #define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
@@ -107,11 +109,7 @@ static inline __attribute__((always_inline)) void dot_rows(const void *w, const 
             for (int m = 0; m < mc; m++) acc[m] = FMA(LOAD_F32((const float *)x[m] + i), wv, acc[m]);
         }
     }
-#if defined(__AVX512F__)
     hsums(acc, res, mc);
-#else
-    for (int m = 0; m < mc; m++) res[m] = HSUM(acc[m]);
-#endif
 #else
     for (int m = 0; m < mc; m++) {
         float sum = 0.0f;
