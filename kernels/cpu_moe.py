@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import logging
 from pathlib import Path
 
@@ -89,19 +88,19 @@ def grouped_moe(
     if len(experts) != len(sizes) or row_ids.numel() != num_entries or weights.numel() != num_entries:
         raise ValueError(f"grouped_moe: {len(experts)} experts, {len(sizes)} sizes ({num_entries} entries), "
                          f"{row_ids.numel()} row ids, {weights.numel()} weights")  # fmt: skip
-    large = [i for i, n in enumerate(sizes) if n > MAX_GROUP_ROWS]
-    if not large:
+    large = [n > MAX_GROUP_ROWS for n in sizes]
+    if not any(large):
         return _run(lib, hidden_states, w13, w2, row_ids, experts, sizes, weights)
-    if len(large) == len(sizes):  # a prefill round: all matmuls
+    if all(large):  # a prefill round: all matmuls
         return grouped_moe_ref(hidden_states, w13, w2, row_ids, experts, sizes, weights)
-    starts = [0, *itertools.accumulate(sizes)]
-    small = [i for i, n in enumerate(sizes) if n <= MAX_GROUP_ROWS]
-    entries = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in small])
-    out = _run(lib, hidden_states, w13, w2, row_ids[entries], [experts[i] for i in small], [sizes[i] for i in small],
-               weights[entries])  # fmt: skip
-    entries = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in large])
-    return out.add_(grouped_moe_ref(hidden_states, w13, w2, row_ids[entries], [experts[i] for i in large],
-                                    [sizes[i] for i in large], weights[entries]))  # fmt: skip
+    in_large = torch.repeat_interleave(torch.tensor(large), torch.tensor(sizes))  # [num_entries]
+
+    def part(entries: torch.Tensor, of_large: bool):  # the groups of one kind, with their entries
+        kept = [i for i, is_large in enumerate(large) if is_large == of_large]
+        return row_ids[entries], [experts[i] for i in kept], [sizes[i] for i in kept], weights[entries]
+
+    out = _run(lib, hidden_states, w13, w2, *part(~in_large, False))
+    return out.add_(grouped_moe_ref(hidden_states, w13, w2, *part(in_large, True)))
 
 
 def _run(lib, hidden_states, w13, w2, row_ids, experts, sizes, weights) -> torch.Tensor:
