@@ -8,9 +8,14 @@ weights costs several times the weights' bytes (measured on a 2-vCPU Zen 4 guest
 once per four rows.
 
 kernels/dispatch.py calls it for CPU tensors of float32 or bfloat16 with hidden and intermediate
-sizes that are multiples of 32, and the torch reference otherwise. Groups of more than
-MAX_GROUP_ROWS entries (prefill's, or a hot expert's in a large decode round) are matmuls, which
-torch does better: they take the reference's path, the rest of the call the kernel's.
+sizes that are multiples of 32, and the torch reference otherwise. Every group goes through the
+kernel, large ones too: an entry's bits must not depend on which other tokens share its round
+(ping-pong's micro-batches give the un-split round's greedy tokens), and the kernel and torch's
+matmuls round differently. Choosing by group size (torch's matmuls above 16 rows) changed the
+tokens of a bf16 random Qwen3-MoE between ping-pong on and off: a prefill group crossed the
+bound in one mode and not in the other. The cost is prefill's: at 64 and 128 rows per expert the
+kernel takes 1.35-1.43x torch's time in bf16, 1.07-1.14x in float32 (same guest; at 32 rows it
+is even); decode rounds, a few rows per expert, are where it gains.
 """
 
 from __future__ import annotations
@@ -23,13 +28,11 @@ from pathlib import Path
 import torch
 
 from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library
-from moemesh.kernels.moe import grouped_moe_ref
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_GROUP_ROWS = 16  # larger groups: torch's matmuls (at 24 rows the two cost the same, bf16)
 ALIGN = 32  # hidden and intermediate sizes: multiples of this (the kernel's vector loops)
 
 
@@ -79,31 +82,13 @@ def grouped_moe(
     weights: torch.Tensor,  # [num_entries] float32
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden] float32
-    """Per row of hidden_states, the float32 sum of weight * E(x) over its entries (grouped_moe_ref's
-    contract): groups of at most MAX_GROUP_ROWS entries in the C kernel, in group order, then the
-    larger ones with the reference's matmuls, in group order. An expert or row id out of range
-    raises IndexError."""
+    """Per row of hidden_states, the float32 sum of weight * E(x) over its entries, in group and
+    entry order (grouped_moe_ref's contract). An expert or row id out of range raises IndexError."""
     lib = lib or library()
     num_entries = sum(sizes)
     if len(experts) != len(sizes) or row_ids.numel() != num_entries or weights.numel() != num_entries:
         raise ValueError(f"grouped_moe: {len(experts)} experts, {len(sizes)} sizes ({num_entries} entries), "
                          f"{row_ids.numel()} row ids, {weights.numel()} weights")  # fmt: skip
-    large = [n > MAX_GROUP_ROWS for n in sizes]
-    if not any(large):
-        return _run(lib, hidden_states, w13, w2, row_ids, experts, sizes, weights)
-    if all(large):  # a prefill round: all matmuls
-        return grouped_moe_ref(hidden_states, w13, w2, row_ids, experts, sizes, weights)
-    in_large = torch.repeat_interleave(torch.tensor(large), torch.tensor(sizes))  # [num_entries]
-
-    def part(entries: torch.Tensor, of_large: bool):  # the groups of one kind, with their entries
-        kept = [i for i, is_large in enumerate(large) if is_large == of_large]
-        return row_ids[entries], [experts[i] for i in kept], [sizes[i] for i in kept], weights[entries]
-
-    out = _run(lib, hidden_states, w13, w2, *part(~in_large, False))
-    return out.add_(grouped_moe_ref(hidden_states, w13, w2, *part(in_large, True)))
-
-
-def _run(lib, hidden_states, w13, w2, row_ids, experts, sizes, weights) -> torch.Tensor:
     row_ids = row_ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     groups = torch.tensor([experts, sizes], dtype=torch.int64)  # [2, num_groups]

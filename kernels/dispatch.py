@@ -157,8 +157,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
 def grouped_moe(hidden_states, w13, w2, row_ids, experts, sizes, weights):
     """Entries already grouped by expert (an expert worker's request): per row of hidden_states,
     the float32 sum of weight * E(x) over its entries, in entry order. Reference: one matmul pair
-    per group on the gathered rows; on CPU tensors it reads, the C kernel (cpu_moe.py: groups of
-    more than MAX_GROUP_ROWS rows as the reference's matmuls);
+    per group on the gathered rows; on CPU tensors it reads, the C kernel (cpu_moe.c) for every
+    group, so an entry's bits do not depend on the rest of its round;
     Triton: the rows gathered once, fused_moe with one slot each, then the weighted rows added
     (the same sums)."""
     if not _use_triton(hidden_states):

@@ -116,34 +116,38 @@ def test_ids_out_of_range_and_inconsistent_groups_are_refused():
         cpu_moe.grouped_moe(x, w13, w2, row_ids, experts, [*sizes[:-1], sizes[-1] + 1], weights, lib=lib)
 
 
-def test_dispatch_takes_the_c_kernel_for_small_groups_and_matmuls_for_large_ones(monkeypatch):
+def test_dispatch_takes_the_c_kernel_for_every_group_size(monkeypatch):
+    """Large groups too (a prefill round's): were they torch's matmuls, an entry's bits would depend
+    on how many other tokens its round gave its expert, and ping-pong's micro-batches (half the
+    tokens) could change greedy tokens."""
     if cpu_moe.library() is None:
         pytest.skip("no C compiler here")
     calls = []
-    original = cpu_moe._run
-    monkeypatch.setattr(cpu_moe, "_run", lambda *a: calls.append(a[6]) or original(*a))  # the groups' sizes
+    original = cpu_moe.grouped_moe
+    monkeypatch.setattr(cpu_moe, "grouped_moe", lambda *a: calls.append(a[5]) or original(*a))  # the groups' sizes
     args = _inputs(torch.bfloat16)
     torch.testing.assert_close(dispatch.grouped_moe(*args), grouped_moe_ref(*args), **TOLERANCES[torch.bfloat16])
     assert calls == [args[5]]
-    big = cpu_moe.MAX_GROUP_ROWS + 1
-    prefill = _inputs(torch.bfloat16, sizes=(big, big + 3))  # a prefill round's groups: all matmuls
-    assert torch.equal(dispatch.grouped_moe(*prefill), grouped_moe_ref(*prefill))
-    assert len(calls) == 1
-    mixed = _inputs(torch.float32, sizes=(3, big, 1, big + 2, 16))  # a hot expert in a large decode round
-    out = dispatch.grouped_moe(*mixed)
-    assert calls[1] == [3, 1, 16]  # only the small groups in C; the large ones as matmuls
-    assert_close_f64(out, _oracle(*mixed), torch.float32)
+    x, w13, w2, _, _, _, _ = _inputs(torch.bfloat16)
+    rows, weights = torch.randperm(x.shape[0]), torch.rand(x.shape[0]) + 0.1  # one group of 20 rows
+    whole = dispatch.grouped_moe(x, w13, w2, rows, [3], [20], weights)
+    halves = dispatch.grouped_moe(x, w13, w2, rows[:4], [3], [4], weights[:4]) + dispatch.grouped_moe(
+        x, w13, w2, rows[4:], [3], [16], weights[4:]
+    )  # each row is in one half: the sum adds zeros
+    assert calls[1:] == [[20], [4], [16]]
+    assert torch.equal(whole, halves)
+    assert_close_f64(whole, _oracle(x, w13, w2, rows, [3], [20], weights), torch.bfloat16)
     odd = _inputs(torch.float32)
     narrow = (odd[0][:, : HIDDEN - 8], odd[1][:, :, : HIDDEN - 8].contiguous(), odd[2][:, : HIDDEN - 8].contiguous())
     assert torch.equal(dispatch.grouped_moe(*narrow, *odd[3:]), grouped_moe_ref(*narrow, *odd[3:]))  # not 32-aligned
-    assert len(calls) == 2
+    assert len(calls) == 4
     # the engine's local experts: fused_moe groups the top-k entries and takes the same kernel
     x, w13, w2 = args[:3]
     topk_ids = torch.stack([torch.randperm(NUM_EXPERTS)[:3] for _ in range(x.shape[0])])
     topk_ids[2, 1] = -1  # a skipped slot
     topk_weights = torch.rand(topk_ids.shape)
     out = dispatch.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    assert len(calls) == 3 and out.dtype == x.dtype
+    assert len(calls) == 5 and out.dtype == x.dtype
     oracle = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(3):
