@@ -16,9 +16,9 @@ workers report it in `compute_s`) / MoE layers: what dispatch costs per layer be
 experts (grouping, serialization, transport, the worker's gRPC/asyncio path, combine); "vs local"
 = (remote MoE - local MoE) / MoE layers (with several workers the compute is split, so negative);
 "x local tok/s" = the median over `--repeats` passes of (that pass's local step / this
-row's step): each pass runs the local engine, then every remote row, so a host whose speed drifts
-moves both sides of a ratio alike (the other cells are medians over the passes; each cluster's
-transports and the local engine first run unmeasured). With ping-pong overlap on, a MoE
+row's step), and "vs local" likewise per pass: each pass runs the local engine, then every
+remote row, so a host whose speed drifts moves both sides of a ratio alike (the other cells are
+medians over the passes; each cluster's transports and the local engine first run unmeasured). With ping-pong overlap on, a MoE
 layer's remote wait overlaps the other micro-batch's attention, so the per-layer columns are
 left out ("-"): step time and tokens/s are what overlap changes. "auto" (the serving default) times
 the decode rounds both ways for its first rounds and keeps the faster; the cell says which. "floor" = median round trip of an
@@ -80,6 +80,7 @@ import os
 import sys
 import tempfile
 import time
+from statistics import median_high
 
 sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
@@ -265,6 +266,7 @@ def main() -> None:
 
         def run_local():
             model.set_expert_executor(Timed(local))
+            llm.engine.runner.micro_batch_overlap = None  # local experts: one batch (not the last row's setting)
             result = run(llm, prompts, args.new_tokens)
             local_runs.append(result)
             return result
@@ -273,7 +275,6 @@ def main() -> None:
         model.set_expert_executor(Timed(local))
         run(llm, prompts, WARMUP_TOKENS)  # first touches (allocator, caches) out of the measured rows
         expected, _, _, _, tokens, _ = run_local()
-        remote_rows = []
         for num_workers in args.workers:
             spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
                                num_threads=args.threads, log_dir=tmp,
@@ -299,9 +300,9 @@ def main() -> None:
                     run(llm, prompts, WARMUP_TOKENS)
                     warm.close()
                 configs = list(itertools.product(args.transports, args.overlap))
-                passes = {config: [] for config in configs}  # -> [(result, local step, remote, choice)]
+                passes = {config: [] for config in configs}  # -> [(result, the pass's local result, remote, choice)]
                 for _ in range(args.repeats):
-                    local_step = run_local()[1]
+                    local_result = run_local()
                     for kind, overlap in configs:
                         waits = WaitTimed(make_transport(kind, endpoints, busy_poll_s=args.busy_poll))
                         remote = RemoteExpertExecutor(waits, RemotePlacement(placement))
@@ -310,21 +311,20 @@ def main() -> None:
                         llm.engine.runner.overlap_tuner = OverlapTuner()
                         result = run(llm, prompts, args.new_tokens, waits, remote)
                         chosen = llm.engine.runner.overlap_tuner.chosen().get(round_shape(args.requests, True))
-                        passes[(kind, overlap)].append((result, local_step, remote, chosen))
+                        passes[(kind, overlap)].append((result, local_result, remote, chosen))
                         remote.close()
                 llm.engine.runner.micro_batch_overlap = None
                 for (kind, overlap), runs in passes.items():
-                    remote_rows.append(remote_row(num_workers, kind, overlap, runs, expected, floors[kind], prompts,
-                                                  args, num_moe_layers, llm))  # fmt: skip
+                    rows.append(remote_row(num_workers, kind, overlap, runs, expected, floors[kind], prompts, args,
+                                           num_moe_layers, llm))  # fmt: skip
             finally:
                 cluster.stop()
         model.set_expert_executor(local)
-        local_step, local_moe = median(r[1] for r in local_runs), median(r[2] for r in local_runs)
+        local_step, local_moe = median_high(r[1] for r in local_runs), median_high(r[2] for r in local_runs)
         same = all(r[0] == expected for r in local_runs)
-        rows.append(["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
-                     f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes" if same else "NO",
-                     *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
-        rows += [row(local_moe) for row in remote_rows]
+        rows.insert(0, ["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
+                        f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes" if same else "NO",
+                        *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
     print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
           f"{num_moe_layers} MoE layers, {str(dtype).removeprefix('torch.')}; decode batch {args.requests} x {args.new_tokens} new tokens; "
           f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
@@ -333,19 +333,14 @@ def main() -> None:
                  "dispatcher CPU", "floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
 
 
-def median(values) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def remote_row(num_workers, kind, overlap, runs, expected, floor, prompts, args, num_moe_layers, llm):
-    """The table row of one (workers, transport, overlap) from its passes, as a function of the
-    local MoE time: medians over the passes; "x local" = the median of each pass's local step over
-    its remote step (a local run precedes each pass)."""
+    """The table row of one (workers, transport, overlap) from its passes: medians over the passes;
+    "x local" and "vs local" compare each pass with its own local run (which precedes it)."""
     results = [r for r, *_ in runs]
-    step, moe, wait = (median(r[i] for r in results) for i in (1, 2, 3))
-    overhead = median(r[5] for r in results) / num_moe_layers
-    ratio = median(local_step / r[1] for r, local_step, *_ in runs)
+    step, moe, wait = (median_high(r[i] for r in results) for i in (1, 2, 3))
+    overhead = median_high(r[5] for r in results) / num_moe_layers
+    ratio = median_high(local[1] / r[1] for r, local, *_ in runs)
+    versus_local = median_high(r[2] - local[2] for r, local, *_ in runs) / num_moe_layers
     if overlap == "auto":  # what it settled on for the all-decode rounds, in each pass
         picks = ["on" if c else "off" if c is not None else "?" for *_, c in runs]
         overlap = f"auto ({'/'.join(picks) if len(set(picks)) > 1 else picks[0]})"
@@ -355,9 +350,9 @@ def remote_row(num_workers, kind, overlap, runs, expected, floor, prompts, args,
     serial = overlap == "off"  # the per-layer columns mean something only without overlap
     ms = lambda v, fmt=".2f": f"{v * 1e3:{fmt}}" if serial else "-"  # noqa: E731
     same = "yes" if all(r[0] == expected for r in results) else "NO"
-    return lambda local_moe: [
+    return [
         f"remote x{num_workers}", kind, overlap, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{ratio:.2f}",
-        ms(moe), ms(overhead), ms((moe - local_moe) / num_moe_layers, "+.2f"), ms(wait), ms(moe - wait),
+        ms(moe), ms(overhead), ms(versus_local, "+.2f"), ms(wait), ms(moe - wait),
         f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB", same, *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()],
     ]  # fmt: skip
 
