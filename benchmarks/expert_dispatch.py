@@ -88,14 +88,15 @@ import torch  # noqa: E402
 from common import print_table  # noqa: E402
 
 from moemesh import LLM, SamplingParams  # noqa: E402
-from moemesh.common.placement import PlacementStore  # noqa: E402
-from moemesh.common.redis_client import connect  # noqa: E402
-from moemesh.engine.overlap_tuner import OverlapTuner, round_shape  # noqa: E402
-from moemesh.expert.call import ExpertRequest  # noqa: E402
-from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
-from moemesh.expert.transport import TRANSPORTS, ExpertCallError, make_transport  # noqa: E402
+from moemesh.contracts.placement import PlacementStore  # noqa: E402
+from moemesh.contracts.redis_client import connect  # noqa: E402
+from moemesh.engine.runner.overlap_tuner import OverlapTuner, round_shape  # noqa: E402
+from moemesh.expert.client.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
+from moemesh.expert.protocol.call import ExpertRequest  # noqa: E402
+from moemesh.expert.settings import ExpertSettings  # noqa: E402
+from moemesh.expert.transports.base import TRANSPORTS, ExpertCallError  # noqa: E402
+from moemesh.expert.transports.factory import make_transport  # noqa: E402
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster  # noqa: E402
-from moemesh.worker.settings import ExpertSettings  # noqa: E402
 
 
 def build_checkpoint(path: str, args) -> None:

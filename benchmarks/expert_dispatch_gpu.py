@@ -36,11 +36,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import print_table  # noqa: E402
 
-from moemesh.common.placement import make_placement  # noqa: E402
+from moemesh.contracts.placement import make_placement  # noqa: E402
 from moemesh.engine.errors import ExpertUnavailableError  # noqa: E402
 from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor  # noqa: E402
-from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
-from moemesh.expert.transport import make_transport  # noqa: E402
+from moemesh.expert.client.remote_executor import RemoteExpertExecutor, RemotePlacement  # noqa: E402
+from moemesh.expert.transports.factory import make_transport  # noqa: E402
 from moemesh.proto.v1 import expert_pb2  # noqa: E402
 
 VERSION = 1
@@ -62,10 +62,10 @@ def placement(args, num_workers: int):
 
 
 def serve(args) -> None:
-    from moemesh.expert.dist_server import DistDataPlane
-    from moemesh.expert.replicas import ReplicaStore
-    from moemesh.expert.servicer import ExpertServicer
-    from moemesh.expert.weights import MoEShape
+    from moemesh.expert.server.dist_server import DistDataPlane
+    from moemesh.expert.server.replicas import ReplicaStore
+    from moemesh.expert.server.servicer import ExpertServicer
+    from moemesh.expert.server.weights import MoEShape
     from moemesh.proto.v1 import expert_pb2_grpc
 
     device, dtype = torch.device("cuda" if torch.cuda.is_available() else "cpu"), getattr(torch, args.dtype)

@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 import grpc  # noqa: E402
 from common import print_table  # noqa: E402
 
-from moemesh.common.grpc_util import ChannelPool  # noqa: E402
-from moemesh.engine.kv_transfer import KVLayout, KVPiece, RemotePrefillTask  # noqa: E402
+from moemesh.engine.connectors.kv_transfer import KVLayout, KVPiece, RemotePrefillTask  # noqa: E402
 from moemesh.engine.loader import default_model_path, open_checkpoint  # noqa: E402
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, RedisServer  # noqa: E402
-from moemesh.proto.convert import layout_to_proto  # noqa: E402
 from moemesh.proto.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc  # noqa: E402
+from moemesh.runtime.grpc_util import ChannelPool  # noqa: E402
+from moemesh.worker.convert import layout_to_proto  # noqa: E402
 from moemesh.worker.kv_client import GrpcKVTransport  # noqa: E402
 
 # SmolLM2-135M: 30 layers x K,V x 3 KV heads x 64 dims, float32

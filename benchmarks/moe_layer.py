@@ -26,8 +26,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from common import print_table  # noqa: E402
 
-from moemesh.engine.expert_load import ExpertLoadCounter  # noqa: E402
 from moemesh.engine.layers.expert_executor import LocalExpertExecutor  # noqa: E402
+from moemesh.engine.layers.expert_load_counter import ExpertLoadCounter  # noqa: E402
 from moemesh.engine.layers.moe import GatingConfig, MoERuntime, SparseMoE, select_experts  # noqa: E402
 
 

@@ -17,8 +17,8 @@ import redis
 sys.path.insert(0, os.path.dirname(__file__))
 from common import print_table  # noqa: E402
 
-from moemesh.common import registry  # noqa: E402
-from moemesh.common.block_hash import HashExtra, hash_block_chain  # noqa: E402
+from moemesh.contracts import registry  # noqa: E402
+from moemesh.contracts.block_hash import HashExtra, hash_block_chain  # noqa: E402
 from moemesh.router.policy import KVAware  # noqa: E402
 from moemesh.router.worker_pool import WorkerPool  # noqa: E402
 

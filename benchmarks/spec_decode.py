@@ -23,7 +23,7 @@ from common import print_table  # noqa: E402
 from moemesh import LLM, SamplingParams  # noqa: E402
 from moemesh.engine.config import SpecConfig  # noqa: E402
 from moemesh.engine.loader import default_model_path  # noqa: E402
-from moemesh.engine.spec.decoder import SpecStats  # noqa: E402
+from moemesh.engine.speculative.decoder import SpecStats  # noqa: E402
 
 PASSAGE = (
     "The lighthouse stood at the edge of the cliff, its white tower striped with red. Every evening "

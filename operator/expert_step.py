@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import redis
 
-from moemesh.common import redis_keys
-from moemesh.common.expert_load import read_expert_load
-from moemesh.common.placement import PlacementStore
-from moemesh.common.registry import WorkerRecord
+from moemesh.contracts import redis_keys
+from moemesh.contracts.expert_load_records import read_expert_load
+from moemesh.contracts.placement import PlacementStore
+from moemesh.contracts.registry import WorkerRecord
 from moemesh.operator.autoscaler import AutoscalerState
 from moemesh.operator.expert_scaling import (
     Action,

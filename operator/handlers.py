@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 import redis
 
-from moemesh.common.registry import list_workers
+from moemesh.contracts.registry import list_workers
 from moemesh.operator import manifests
 from moemesh.operator.autoscaler import SCALED_ROLES, AutoscalerState
 from moemesh.operator.config import OperatorConfig

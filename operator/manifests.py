@@ -45,7 +45,7 @@ CONTAINER_SECURITY = {
 
 
 def mesh_id(namespace: str, name: str) -> str:
-    """The Redis namespace of a mesh (see ``moemesh.common.redis_keys``)."""
+    """The Redis namespace of a mesh (see ``moemesh.contracts.redis_keys``)."""
     return f"{namespace}/{name}"
 
 

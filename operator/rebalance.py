@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 
-from moemesh.common import redis_keys
-from moemesh.common.expert_load import read_expert_load
-from moemesh.common.placement import Placement, PlacementStore, contiguous_slot_owner
+from moemesh.contracts import redis_keys
+from moemesh.contracts.expert_load_records import read_expert_load
+from moemesh.contracts.placement import Placement, PlacementStore, contiguous_slot_owner
 from moemesh.operator.eplb import EplbLayout, plan_from_scratch
 from moemesh.operator.eplb_replan import replan, should_publish
 
@@ -47,7 +47,7 @@ def rebalance_step(
     clock: redis_keys.Clock,
     last_version: int = 0,
 ) -> RebalanceOutcome:
-    """One timer tick of the two-phase apply (see ``moemesh.common.placement``). `last_version`:
+    """One timer tick of the two-phase apply (see ``moemesh.contracts.placement``). `last_version`:
     the highest version the mesh has used (its status). A new version exceeds it too, so a Redis
     that lost its keys never gets a version number that expert workers already hold with
     another layout (they would take it as loaded and never mark it ready)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moemesh.common.registry import WorkerRecord
+from moemesh.contracts.registry import WorkerRecord
 from moemesh.operator.autoscaler import SCALED_ROLES, AutoscalerState, RoleTelemetry, decide
 from moemesh.operator.spec import MeshSpec
 

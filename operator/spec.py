@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.common.checkpoint_tensors import ModelConfigError
-from moemesh.common.memory_plan import MemoryPlanError, parse_size, plan_mesh
 from moemesh.operator.autoscaler import RatioGuard, ScalingPolicy
 from moemesh.operator.eplb import EplbError, EplbLayout
 from moemesh.operator.expert_scaling import ExpertScalingPolicy
-from moemesh.operator.model_source import ModelSource, SourceError, parse_source
+from moemesh.operator.model_source_volumes import ModelSource, SourceError, parse_source
+from moemesh.planning.checkpoint_tensors import ModelConfigError
+from moemesh.planning.memory_plan import MemoryPlanError, parse_size, plan_mesh
 
 ROLES = ("router", "prefill", "decode", "expert")
 # spec.<role> keys copied verbatim into the pod spec

@@ -1,17 +1,12 @@
 """moemesh: serve Mixture-of-Experts language models as separate services.
 
 `from moemesh import LLM, SamplingParams` gives the offline engine. The names load lazily so
-that the operator and router, which never need torch models, import `moemesh.common` cheaply.
+that the operator and router, which never need torch models, import the torch-free packages cheaply.
 """
 
-from importlib import metadata as _metadata
+from moemesh.runtime.version import VERSION as __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
-
-try:
-    __version__ = _metadata.version("moemesh")
-except _metadata.PackageNotFoundError:  # a source tree without an install
-    __version__ = "0.0.0+unknown"
 
 
 def __getattr__(name: str):

@@ -1,6 +1,19 @@
-"""The import direction (kernels <- engine <- worker / expert; text and common below the engine;
-router and operator free of the engine and of torch), checked on the source, and the router's
-and operator's real start-up paths run without loading torch."""
+"""The house's layers, checked on the source: every package of `moemesh` is named with the packages
+it may import (module level or lazily inside a function), the torch-free packages import no torch,
+and no import cycle exists between packages, between subpackages, or between the files of one
+package. The router's and operator's real start-up paths run without loading torch.
+
+Layers, from the bottom up (siblings never import each other):
+    text | proto | kernels
+    contracts | runtime | planning
+    engine
+    expert
+    router | worker | operator
+    launcher
+    cli
+The root module `moemesh` (services/__init__.py) is the offline API's facade: it loads the engine
+lazily and nothing imports it.
+"""
 
 from __future__ import annotations
 
@@ -11,93 +24,222 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = {"moemesh.kernels": ROOT / "kernels", "moemesh.operator": ROOT / "operator", "moemesh": ROOT / "services"}
-SERVICE_PARTS = ("engine", "router", "worker", "expert", "prefill", "decode", "launcher")
+PACKAGE_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
-# package -> prefixes it must never import (at module level or lazily inside a function)
-FORBIDDEN = {
-    "moemesh.kernels": (
+BOTTOM = ("moemesh.text", "moemesh.proto", "moemesh.kernels")
+MIDDLE = ("moemesh.contracts", "moemesh.runtime", "moemesh.planning")
+# package -> the moemesh packages it may import
+ALLOWED: dict[str, set[str]] = {
+    "moemesh.text": set(),
+    "moemesh.proto": set(),
+    "moemesh.kernels": set(),
+    "moemesh.contracts": {"moemesh.text", "moemesh.proto"},
+    "moemesh.runtime": {"moemesh.text", "moemesh.proto"},
+    "moemesh.planning": {"moemesh.text", "moemesh.proto"},
+    "moemesh.engine": {*BOTTOM, *MIDDLE},
+    "moemesh.expert": {*BOTTOM, *MIDDLE, "moemesh.engine"},
+    "moemesh.router": {"moemesh.text", "moemesh.proto", *MIDDLE},
+    "moemesh.worker": {*BOTTOM, *MIDDLE, "moemesh.engine", "moemesh.expert"},
+    "moemesh.operator": {"moemesh.text", "moemesh.proto", *MIDDLE},
+    "moemesh.launcher": {
+        *BOTTOM,
+        *MIDDLE,
         "moemesh.engine",
-        "moemesh.common",
-        "moemesh.text",
-        *(f"moemesh.{p}" for p in SERVICE_PARTS[1:]),
-    ),
-    "moemesh.text": ("torch", "moemesh.common", *(f"moemesh.{p}" for p in SERVICE_PARTS)),
-    "moemesh.common": ("torch", *(f"moemesh.{p}" for p in SERVICE_PARTS)),
-    "moemesh.engine": tuple(f"moemesh.{p}" for p in SERVICE_PARTS[1:]),
-    "moemesh.router": (
-        "torch",
-        "moemesh.engine",
-        "moemesh.worker",
         "moemesh.expert",
-        "moemesh.prefill",
-        "moemesh.decode",
-        "moemesh.launcher",
-        "moemesh.kernels",
-    ),  # fmt: skip
-    "moemesh.operator": (
-        "torch",
-        "moemesh.engine",
-        "moemesh.worker",
-        "moemesh.expert",
-        "moemesh.prefill",
-        "moemesh.decode",
-        "moemesh.launcher",
         "moemesh.router",
-        "moemesh.kernels",
-    ),  # fmt: skip
+        "moemesh.worker",
+        "moemesh.operator",
+    },
+    "moemesh.cli": {
+        *BOTTOM,
+        *MIDDLE,
+        "moemesh.engine",
+        "moemesh.expert",
+        "moemesh.router",
+        "moemesh.worker",
+        "moemesh.operator",
+        "moemesh.launcher",
+    },
+    "moemesh": {"moemesh.runtime", "moemesh.engine"},
 }
+TORCH_FREE = (
+    "moemesh.text",
+    "moemesh.proto",
+    "moemesh.contracts",
+    "moemesh.runtime",
+    "moemesh.planning",
+    "moemesh.router",
+    "moemesh.operator",
+)
+THIRD_PARTY_TORCH = ("torch", "triton", "xgrammar", "transformers")
 
 
 def modules() -> dict[str, pathlib.Path]:
-    found = {}
-    for package, folder in FOLDERS.items():
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if package == "moemesh" and parts[0] in ("kernels", "operator"):
+    """Every module of the project: dotted name -> file (generated protobuf code excluded)."""
+    found: dict[str, pathlib.Path] = {}
+    for package, folder in sorted(PACKAGE_DIRS.items(), key=lambda item: -len(item[0])):
+        for path in (ROOT / folder).rglob("*.py"):
+            if "_pb2" in path.name:
                 continue
-            found[".".join((package, *(p for p in parts if p != "__init__")))] = path
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            found.setdefault(".".join((package, *(p for p in parts if p != "__init__"))), path)
     return found
 
 
-def imported_names(path: pathlib.Path) -> set[str]:
+def imported_names(path: pathlib.Path, module: str = "", known: dict | None = None) -> set[str]:
+    """What a file imports, anywhere in it: `import a.b` gives a.b; `from a import b` gives a.b
+    where that is a module of the project (else a), and a.b as well for anything outside it."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                keep = len(parts) - node.level + (1 if path.name == "__init__.py" else 0)
+                base = ".".join([*parts[:keep], *([node.module] if node.module else [])])
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if known is not None and base.startswith("moemesh"):
+                    names.add(full if full in known else base)
+                else:
+                    names.update((base, full))
     return names
 
 
-def owner(module: str) -> str | None:
-    for package in sorted(FORBIDDEN, key=len, reverse=True):
+def package_of(module: str) -> str:
+    """The layer a module belongs to: the longest name of ALLOWED that prefixes it."""
+    for package in sorted(ALLOWED, key=len, reverse=True):
         if module == package or module.startswith(package + "."):
             return package
-    return None
+    raise AssertionError(f"{module} is in no layer: add its package to ALLOWED")
 
 
-def test_every_package_imports_only_downwards():
-    violations = []
-    for module, path in sorted(modules().items()):
-        package = owner(module)
-        if package is None:
+def project_edges() -> dict[str, set[str]]:
+    """module -> the project modules it imports (the longest known prefix of each import)."""
+    known = modules()
+    edges: dict[str, set[str]] = {}
+    for module, path in known.items():
+        targets = set()
+        for name in imported_names(path, module, known):
+            parts = name.split(".")
+            for i in range(len(parts), 0, -1):
+                head = ".".join(parts[:i])
+                if head in known:
+                    if head != module:
+                        targets.add(head)
+                    break
+        edges[module] = targets
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
             continue
-        for name in sorted(imported_names(path)):
-            if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[package]):
-                violations.append(f"{module} imports {name}")
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def collapsed(edges: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The graph of packages `depth` names deep (moemesh.engine.core at 3)."""
+
+    def cut(module: str) -> str:
+        return ".".join(module.split(".")[:depth])
+
+    graph: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        for target in targets:
+            if cut(source) != cut(target):
+                graph.setdefault(cut(source), set()).add(cut(target))
+    return graph
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    violations = []
+    for module, targets in sorted(project_edges().items()):
+        package = package_of(module)
+        for target in sorted(targets):
+            other = package_of(target)
+            if other != package and other not in ALLOWED[package]:
+                violations.append(f"{module} imports {target}")
     assert violations == []
 
 
-def test_the_checker_sees_lazy_imports_inside_functions(tmp_path):
+def test_the_torch_free_packages_import_no_torch():
+    violations = []
+    for module, path in sorted(modules().items()):
+        if package_of(module) in TORCH_FREE:
+            for name in sorted(imported_names(path, module)):
+                if name.split(".")[0] in THIRD_PARTY_TORCH:
+                    violations.append(f"{module} imports {name}")
+    assert violations == []
+
+
+def test_no_import_cycle_between_files_or_packages():
+    edges = project_edges()
+    assert cycles(edges) == [], "files"
+    for depth in (2, 3, 4):
+        assert cycles(collapsed(edges, depth)) == [], f"packages at depth {depth}"
+
+
+def test_the_cycle_check_finds_a_cycle_through_lazy_imports(tmp_path):
+    edges = {
+        "moemesh.a.x": {"moemesh.b.y"},
+        "moemesh.b.y": {"moemesh.b.z"},
+        "moemesh.b.z": {"moemesh.a.w"},
+        "moemesh.a.w": set(),
+    }
+    assert cycles(edges) == []
+    assert cycles(collapsed(edges, 2)) == [["moemesh.a", "moemesh.b"]]
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from moemesh.engine.config import SpecConfig\n    import torch\n")
     assert {"moemesh.engine.config.SpecConfig", "torch"} <= imported_names(path)
+
+
+def test_every_module_belongs_to_a_named_layer():
+    for module in modules():
+        package_of(module)  # raises for an unnamed package
 
 
 ROUTER_STARTUP = """
@@ -184,9 +326,9 @@ def test_the_operator_starts_without_importing_torch_or_the_engine(redis_port, t
     assert run_report(textwrap.dedent(OPERATOR_STARTUP), tmp_path) == []
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_each_checked_package_exists(package):
-    assert any(owner(m) == package for m in modules()), package
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_each_named_package_exists(package):
+    assert any(package_of(m) == package for m in modules()), package
 
 
 @pytest.mark.parametrize("device, imports_triton", [("cpu", False), ("cuda", True)])

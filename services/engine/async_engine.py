@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from moemesh.engine.connectors.kv_transfer import ExportedKV, RemoteKV
+from moemesh.engine.core.request import RemotePrefillParams
 from moemesh.engine.errors import InvalidRequestError
-from moemesh.engine.kv_transfer import ExportedKV, RemoteKV
 from moemesh.engine.llm_engine import LLMEngine
 from moemesh.engine.outputs import RequestOutput
-from moemesh.engine.request import RemotePrefillParams
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.step_failure import fail_unfinished_requests, take_expert_error
 

@@ -23,24 +23,32 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from moemesh.common.block_hash import HashExtra
+from moemesh.contracts.block_hash import HashExtra
 from moemesh.engine.config import EngineConfig
+from moemesh.engine.connectors.kv_export import KVExporter
+from moemesh.engine.connectors.kv_transfer import (
+    ExportedKV,
+    KVLayout,
+    KVPiece,
+    RemoteKV,
+    cache_tensors,
+    kv_layout,
+    scatter_kv,
+)
+from moemesh.engine.core.kv_cache_manager import KVCacheManager
+from moemesh.engine.core.request import FinishReason, RemotePrefillParams, Request
+from moemesh.engine.core.scheduler import Scheduler
+from moemesh.engine.core.scheduler_output import SchedulerOutput
 from moemesh.engine.dtype import resolve_dtype
 from moemesh.engine.errors import InvalidRequestError
-from moemesh.engine.kv_cache_manager import KVCacheManager
-from moemesh.engine.kv_export import KVExporter
-from moemesh.engine.kv_transfer import ExportedKV, KVLayout, KVPiece, RemoteKV, cache_tensors, kv_layout, scatter_kv
 from moemesh.engine.loader import open_checkpoint
 from moemesh.engine.loader.build import build_model
-from moemesh.engine.model_runner import ModelRunner, ModelRunnerOutput, measure_cache_budget
 from moemesh.engine.outputs import RequestOutput
-from moemesh.engine.request import FinishReason, RemotePrefillParams, Request
+from moemesh.engine.runner.model_runner import ModelRunner, ModelRunnerOutput, measure_cache_budget
+from moemesh.engine.runner.structured_output import StructuredOutputs
 from moemesh.engine.sampling_params import SamplingParams
-from moemesh.engine.scheduler import Scheduler
-from moemesh.engine.scheduler_output import SchedulerOutput
-from moemesh.engine.spec.confidence import CostTable
-from moemesh.engine.spec.decoder import SpecDecoder
-from moemesh.engine.structured_output import StructuredOutputs
+from moemesh.engine.speculative.confidence import CostTable
+from moemesh.engine.speculative.decoder import SpecDecoder
 from moemesh.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.engine.request import Logprob
+from moemesh.engine.core.request import Logprob
 
 
 @dataclass

@@ -164,10 +164,10 @@ class LocalCluster:
     def start_experts(self) -> None:
         """Launch the expert workers, apply an even placement over them (unless this mesh already
         has an active one over exactly them), wait until each serves it."""
-        from moemesh.common import registry
-        from moemesh.common.placement import PlacementStore
-        from moemesh.common.placement_apply import apply_placement, even_placement
-        from moemesh.common.redis_client import connect
+        from moemesh.contracts import registry
+        from moemesh.contracts.placement import PlacementStore
+        from moemesh.contracts.placement_apply import apply_placement, even_placement
+        from moemesh.contracts.redis_client import connect
 
         spec = self.spec
         experts = [self.worker_service(name, "expert", self._threads_per_worker()) for name in self.expert_ids()]
@@ -306,8 +306,8 @@ class LocalCluster:
         """Follow the active placement; put it back when Redis no longer has any (one GET a call)."""
         import redis
 
-        from moemesh.common.placement import PlacementStore
-        from moemesh.common.redis_client import connect
+        from moemesh.contracts.placement import PlacementStore
+        from moemesh.contracts.redis_client import connect
 
         if self._client is None:
             self._client = connect(self.redis_url)

@@ -8,9 +8,9 @@ import signal
 import sys
 import time
 
-from moemesh.common.settings import SettingsError
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
 from moemesh.launcher.ports import port_in_use
+from moemesh.runtime.settings import SettingsError
 from moemesh.worker.settings import DTYPE_CHOICES, EXPERT_TRANSPORTS, add_speculation_arguments, speculation_settings
 
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from moemesh.common import telemetry
-from moemesh.common.block_hash import HashExtra, hash_block_chain
-from moemesh.common.grpc_util import ChannelPool
-from moemesh.common.metrics import RouterMetrics
+from moemesh.contracts.block_hash import HashExtra, hash_block_chain
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from moemesh.router.worker_pool import NoWorkerError, Route, WorkerPool
+from moemesh.runtime import telemetry
+from moemesh.runtime.grpc_util import ChannelPool
+from moemesh.runtime.metrics import RouterMetrics
 from moemesh.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)

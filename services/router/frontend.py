@@ -13,7 +13,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from moemesh.common.metrics import RouterMetrics
 from moemesh.router.dispatcher import (
     Delta,
     Dispatcher,
@@ -27,6 +26,7 @@ from moemesh.router.dispatcher import (
     WorkerFailedError,
 )
 from moemesh.router.tool_parsers import parser_for
+from moemesh.runtime.metrics import RouterMetrics
 from moemesh.text.errors import InvalidRequestError
 
 

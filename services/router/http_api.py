@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from moemesh import __version__
 from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError, Unavailable
 from moemesh.router.frontend import ChoiceDelta, Frontend
 from moemesh.router.http_guard import GuardSettings, HttpGuard
@@ -39,6 +38,7 @@ from moemesh.router.openai_protocol import (
     usage,
 )
 from moemesh.router.tool_calls import ToolRequest, merge_pieces
+from moemesh.runtime.version import VERSION as __version__
 
 logger = logging.getLogger(__name__)
 

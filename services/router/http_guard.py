@@ -16,8 +16,8 @@ import json
 import logging
 from dataclasses import dataclass
 
-from moemesh.common.settings import check
 from moemesh.router.api_keys import ApiKeys
+from moemesh.runtime.settings import check
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,8 @@ import redis
 import uvicorn
 from prometheus_client import start_http_server
 
-from moemesh.common import redis_client, registry, telemetry
-from moemesh.common.block_hash import HashExtra
-from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
-from moemesh.common.lifecycle import watch_parent
-from moemesh.common.metrics import RouterMetrics
-from moemesh.common.model_source import default_model_path
-from moemesh.common.settings import served_model_name
+from moemesh.contracts import redis_client, registry
+from moemesh.contracts.block_hash import HashExtra
 from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
 from moemesh.router.api_keys import ApiKeys
 from moemesh.router.dispatcher import Dispatcher
@@ -30,6 +25,12 @@ from moemesh.router.policy import make_policy
 from moemesh.router.settings import RouterSettings, RoutingSettings
 from moemesh.router.token_ids_only import TokenIdsOnlyTokenizer
 from moemesh.router.worker_pool import DECODE_ROLES, WorkerPool
+from moemesh.runtime import telemetry
+from moemesh.runtime.grpc_util import ChannelPool, HealthReporter, create_server
+from moemesh.runtime.lifecycle import watch_parent
+from moemesh.runtime.metrics import RouterMetrics
+from moemesh.runtime.model_source_resolver import default_model_path
+from moemesh.runtime.settings import served_model_name
 from moemesh.text.model_text import open_model_text
 
 logger = logging.getLogger(__name__)

@@ -8,11 +8,19 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
 from moemesh.router.api_keys import ENV_VAR as API_KEY_ENV
 from moemesh.router.api_keys import keys_from
 from moemesh.router.http_guard import OPEN_PATHS, GuardSettings
 from moemesh.router.tool_parsers import PARSER_NAMES
+from moemesh.runtime.settings import (
+    MeshSettings,
+    check,
+    mesh_settings,
+    metrics_port,
+    model_path,
+    pick,
+    read_config_file,
+)
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import redis
 
-from moemesh.common import registry
-from moemesh.common.block_hash import BlockHash
-from moemesh.common.prefix_index import PrefixIndex
+from moemesh.contracts import registry
+from moemesh.contracts.block_hash import BlockHash
+from moemesh.contracts.prefix_index import PrefixIndex
 from moemesh.router.policy import Candidate, RoutingPolicy
 
 logger = logging.getLogger(__name__)

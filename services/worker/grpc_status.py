@@ -15,8 +15,8 @@ import grpc
 from moemesh.engine.async_engine import AsyncEngine, EngineDeadError
 from moemesh.engine.errors import ExpertUnavailableError, InvalidRequestError
 from moemesh.engine.sampling_params import SamplingParams
-from moemesh.proto.convert import sampling_from_proto
 from moemesh.proto.v1 import common_pb2
+from moemesh.worker.convert import sampling_from_proto
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, error: InvalidRequestError) -> None:

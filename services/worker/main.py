@@ -19,20 +19,21 @@ import logging
 import redis
 from prometheus_client import start_http_server
 
-from moemesh.common import redis_client, registry, telemetry
-from moemesh.common.grpc_util import AdmissionGate, ChannelPool, HealthReporter, create_server
-from moemesh.common.lifecycle import serve_until_signalled
-from moemesh.common.metrics import WorkerMetrics
-from moemesh.common.model_source import default_model_path
-from moemesh.common.prefix_index import PrefixIndex
-from moemesh.common.prefix_publisher import PrefixIndexPublisher
-from moemesh.common.settings import served_model_name
-from moemesh.decode.servicer import DecodeServicer
+from moemesh.contracts import redis_client, registry
+from moemesh.contracts.prefix_index import PrefixIndex
 from moemesh.engine.async_engine import AsyncEngine
-from moemesh.expert.attach import NoRemoteExperts, RemoteExperts
-from moemesh.prefill.servicer import PrefillServicer
+from moemesh.expert.client.attach import NoRemoteExperts, RemoteExperts
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from moemesh.runtime import telemetry
+from moemesh.runtime.grpc_util import AdmissionGate, ChannelPool, HealthReporter, create_server
+from moemesh.runtime.lifecycle import serve_until_signalled
+from moemesh.runtime.metrics import WorkerMetrics
+from moemesh.runtime.model_source_resolver import default_model_path
+from moemesh.runtime.settings import served_model_name
+from moemesh.worker.decode_servicer import DecodeServicer
 from moemesh.worker.kv_client import GrpcKVTransport
+from moemesh.worker.prefill_servicer import PrefillServicer
+from moemesh.worker.prefix_publisher import PrefixIndexPublisher
 from moemesh.worker.settings import EngineSettings, WorkerSettings
 
 logger = logging.getLogger(__name__)

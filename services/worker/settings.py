@@ -9,12 +9,18 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from moemesh.common.settings import MeshSettings, check, mesh_settings, metrics_port, model_path, pick, read_config_file
+from moemesh.expert.settings import EXPERT_DIST_BACKENDS, EXPERT_TRANSPORTS, ExpertSettings
+from moemesh.runtime.settings import (
+    MeshSettings,
+    check,
+    mesh_settings,
+    metrics_port,
+    model_path,
+    pick,
+    read_config_file,
+)
 
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
-# = moemesh.expert.transport.TRANSPORTS (no torch import here)
-EXPERT_TRANSPORTS = ("grpc", "grpc-stream", "torch-dist", "socket")
-EXPERT_DIST_BACKENDS = ("gloo", "nccl")  # = moemesh.expert.dist_group.BACKENDS
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.engine.config's dtypes (no torch import here)
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_SCHEDULING = ("fixed", "confidence")
@@ -97,33 +103,6 @@ class EngineSettings:
     micro_batch_overlap: bool | None = None  # MoE ping-pong micro-batches; None: with remote experts
     seed: int = 0
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
-
-
-@dataclass(frozen=True)
-class ExpertSettings:
-    """Expert workers (role 'expert') and the remote ExpertExecutor of prefill/decode workers."""
-
-    remote: bool = False  # prefill/decode: routed experts run on the expert workers
-    call_timeout_s: float = 10.0  # one RunExperts call
-    retry_down_s: float = 2.0  # a failed expert worker is routed around this long
-    placement_poll_s: float = 0.1  # how often placement versions (and endpoints) are read
-    load_window_s: float = 10.0  # expert worker: telemetry window of token counts
-    release_grace_s: float = 2.0  # expert worker: keep a superseded version this long after its last call
-    transport: str = "grpc-stream"  # prefill/decode: the expert data plane (expert/transport.py TRANSPORTS)
-    dist_backend: str = "gloo"  # prefill/decode with the torch-dist transport: gloo (CPU tensors) or nccl
-    busy_poll_s: float = (
-        0.05  # socket transport: a wait for a reply / for the next request polls this long, then blocks
-    )
-
-    def __post_init__(self):
-        check(self.transport in EXPERT_TRANSPORTS,
-              f"expert transport must be one of {EXPERT_TRANSPORTS}, got {self.transport!r}")  # fmt: skip
-        check(self.dist_backend in EXPERT_DIST_BACKENDS,
-              f"dist backend must be one of {EXPERT_DIST_BACKENDS}, got {self.dist_backend!r}")  # fmt: skip
-        for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
-            check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
-        check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")
-        check(self.busy_poll_s >= 0, f"busy_poll_s must be >= 0, got {self.busy_poll_s}")
 
 
 @dataclass(frozen=True)

@@ -676,7 +676,7 @@ def test_the_router_image_has_everything_the_router_imports_and_no_torch():
         "        if name.split('.')[0] in BLOCKED:\n"
         "            raise ImportError('not in the router image: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import moemesh.cli, moemesh.router.main, moemesh.router.settings, moemesh.common.model_source\n"
+        "import moemesh.cli, moemesh.router.main, moemesh.router.settings, moemesh.runtime.model_source_resolver\n"
         "moemesh.cli.build_parser().parse_args(['serve', '--role', 'router', '--config', '/etc/moemesh/mesh.json'])\n"
         "assert 'torch' not in sys.modules\n"
     )

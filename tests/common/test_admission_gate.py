@@ -9,8 +9,8 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moemesh.common.grpc_util import AdmissionGate, HealthReporter, create_server
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, telemetry_pb2
+from moemesh.runtime.grpc_util import AdmissionGate, HealthReporter, create_server
 
 
 class Answering(decode_pb2_grpc.DecodeWorkerServicer):

@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from moemesh.common.block_hash import HashExtra, hash_block, hash_block_chain
+from moemesh.contracts.block_hash import HashExtra, hash_block, hash_block_chain
 
 EXTRA = HashExtra("m", "")
 
@@ -38,7 +38,7 @@ def test_keys_match_the_documented_formula():
 
 def test_keys_are_identical_in_another_process():
     code = (
-        "from moemesh.common.block_hash import HashExtra, hash_block_chain;"
+        "from moemesh.contracts.block_hash import HashExtra, hash_block_chain;"
         "print(hash_block_chain(list(range(64)), 16, HashExtra('m', 's'))[-1].hex())"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from moemesh.common import redis_keys
-from moemesh.common.expert_load import publish_expert_load, read_expert_load
+from moemesh.contracts import redis_keys
+from moemesh.contracts.expert_load_records import publish_expert_load, read_expert_load
 
 MESH = "ns1/mesh1"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from moemesh.common.memory_plan import (
+from moemesh.planning.memory_plan import (
     MemoryPlanError,
     check_expert_pods,
     load_model_metadata,
@@ -35,8 +35,8 @@ def bf16(config: dict) -> dict:
 
 def engine_model(config: dict) -> nn.Module:
     """The engine's model class for `config`, built on the meta device (no memory)."""
+    from moemesh.engine.layers.transformer_config import TransformerConfig
     from moemesh.engine.models import get_model_class
-    from moemesh.engine.models.config import TransformerConfig
 
     # rope_scaling dropped: the engine's RoPE refuses YaRN today (another change adds it). RoPE
     # holds buffers, not parameters, so the parameter shapes do not depend on it.

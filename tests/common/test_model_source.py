@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from moemesh.common.model_source import ModelSourceError, default_model_path, resolve_model_path
-from moemesh.common.settings import SettingsError
+from moemesh.runtime.model_source_resolver import ModelSourceError, default_model_path, resolve_model_path
+from moemesh.runtime.settings import SettingsError
 from moemesh.worker.settings import worker_settings
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

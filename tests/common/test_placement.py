@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 
-from moemesh.common import redis_keys
-from moemesh.common.placement import (
+from moemesh.contracts import redis_keys
+from moemesh.contracts.placement import (
     Placement,
     PlacementError,
     PlacementNotReadyError,
     PlacementStore,
     make_placement,
 )
-from moemesh.common.placement_apply import even_placement
+from moemesh.contracts.placement_apply import even_placement
 
 MESH = "ns1/mesh1"
 WORKERS = ("expert-0", "expert-1")

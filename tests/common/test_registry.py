@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from moemesh.common import redis_keys
-from moemesh.common.registry import WorkerRecord, deregister, heartbeat, list_workers
+from moemesh.contracts import redis_keys
+from moemesh.contracts.registry import WorkerRecord, deregister, heartbeat, list_workers
 
 MESH = "ns1/mesh1"
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from moemesh.common.block_hash import HashExtra
+from moemesh.contracts.block_hash import HashExtra
 from moemesh.engine.config import SchedulerConfig
-from moemesh.engine.kv_cache_manager import KVCacheManager
-from moemesh.engine.request import Request
+from moemesh.engine.core.kv_cache_manager import KVCacheManager
+from moemesh.engine.core.request import Request
+from moemesh.engine.core.scheduler import Scheduler
 from moemesh.engine.sampling_params import SamplingParams
-from moemesh.engine.scheduler import Scheduler
 
 EXTRA = HashExtra(model_id="test-model")
 

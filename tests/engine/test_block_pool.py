@@ -1,4 +1,4 @@
-from moemesh.common.block_hash import HashExtra, hash_block_chain
+from moemesh.contracts.block_hash import HashExtra, hash_block_chain
 
 from .factories import EXTRA, make_kv, make_request
 

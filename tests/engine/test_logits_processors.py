@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moemesh import SamplingParams
-from moemesh.engine.logits_processors import LogitsAdjustments
-from moemesh.engine.sampler import Sampler, SamplingTensors
+from moemesh.engine.runner.logits_processors import LogitsAdjustments
+from moemesh.engine.runner.sampler import Sampler, SamplingTensors
 
 VOCAB = 50
 EOS = 7
@@ -154,9 +154,9 @@ def test_out_of_range_values_are_rejected_naming_the_field(smollm):
 
 def test_requests_that_adjust_their_logits_are_not_speculated():
     from moemesh.engine.config import SpecConfig
-    from moemesh.engine.request import Request
+    from moemesh.engine.core.request import Request
     from moemesh.engine.sampling_params import StructuredOutputSpec
-    from moemesh.engine.spec.decoder import SpecDecoder
+    from moemesh.engine.speculative.decoder import SpecDecoder
 
     spec = SpecDecoder(SpecConfig(method="ngram", scheduling="fixed", num_speculative_tokens=3), 1024, None)
     kinds = {"plain": {}, "penalty": {"presence_penalty": 0.5}, "bias": {"logit_bias": {5: 1.0}},

@@ -3,7 +3,7 @@ measure again after a while."""
 
 import pytest
 
-from moemesh.engine.overlap_tuner import OverlapTuner, round_shape
+from moemesh.engine.runner.overlap_tuner import OverlapTuner, round_shape
 
 
 def test_shapes_bucket_tokens_by_powers_of_two_and_tell_decode_from_mixed_rounds():

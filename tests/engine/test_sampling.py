@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moemesh import SamplingParams
-from moemesh.engine.sampler import Sampler, SamplingTensors
+from moemesh.engine.runner.sampler import Sampler, SamplingTensors
 
 PROMPTS = ["Once upon a time", "The best way to learn programming is", "Paris is"]
 

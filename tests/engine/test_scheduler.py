@@ -1,4 +1,4 @@
-from moemesh.engine.request import FinishReason, RequestStatus
+from moemesh.engine.core.request import FinishReason, RequestStatus
 
 from .factories import make_request, make_scheduler
 

@@ -11,8 +11,8 @@ import pytest
 
 from moemesh import SamplingParams
 from moemesh.engine.errors import InvalidRequestError
+from moemesh.engine.runner.structured_output import StructuredOutputs
 from moemesh.engine.sampling_params import StructuredOutputSpec
-from moemesh.engine.structured_output import StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 

@@ -15,9 +15,9 @@ import pytest_asyncio
 from conftest import eventually
 from test_operator import BASE, MESH, create, live, status
 
-from moemesh.common.expert_load import publish_expert_load
-from moemesh.common.placement import PlacementStore
-from moemesh.common.registry import WorkerRecord, deregister, heartbeat
+from moemesh.contracts.expert_load_records import publish_expert_load
+from moemesh.contracts.placement import PlacementStore
+from moemesh.contracts.registry import WorkerRecord, deregister, heartbeat
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import eventually
 
-from moemesh.common.expert_load import publish_expert_load
-from moemesh.common.placement import PlacementStore
-from moemesh.common.registry import WorkerRecord, heartbeat
+from moemesh.contracts.expert_load_records import publish_expert_load
+from moemesh.contracts.placement import PlacementStore
+from moemesh.contracts.registry import WorkerRecord, heartbeat
 from moemesh.operator.kube import KubeApi
 from tests.published_configs import DEEPSEEK_V3
 

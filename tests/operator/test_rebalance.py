@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from moemesh.common.placement import PlacementStore
+from moemesh.contracts.placement import PlacementStore
 from moemesh.operator.eplb import EplbLayout
 from moemesh.operator.rebalance import rebalance_step
 

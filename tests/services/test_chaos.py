@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.chaos import PROMPTS, metric_total, num_kills, report, run_chaos, save_tiny_moe, seeded_schedule
-from moemesh.common import registry
-from moemesh.common.prefix_index import PrefixIndex
-from moemesh.common.redis_client import connect
+from moemesh.contracts import registry
+from moemesh.contracts.prefix_index import PrefixIndex
+from moemesh.contracts.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
 from tests.services.cluster_helpers import wait_until

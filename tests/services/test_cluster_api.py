@@ -19,8 +19,8 @@ import pytest
 from openai.lib._parsing._completions import type_to_response_format_param
 from prometheus_client.parser import text_string_to_metric_families
 
-from moemesh.common.prefix_index import PrefixIndex
-from moemesh.common.redis_client import connect
+from moemesh.contracts.prefix_index import PrefixIndex
+from moemesh.contracts.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.services.cluster_helpers import (
@@ -355,9 +355,9 @@ def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: st
 
 
 def test_router_hash_chain_equals_the_blocks_the_worker_cached(cluster, tokenizer, redis_server):
-    from moemesh.common.grpc_util import ChannelPool
     from moemesh.router.main import build_frontend
     from moemesh.router.settings import RouterSettings
+    from moemesh.runtime.grpc_util import ChannelPool
 
     index = PrefixIndex(connect(redis_server.url), MESH)
     router = cluster.services["router"]

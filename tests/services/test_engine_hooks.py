@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from moemesh.engine.kv_transfer import RemoteKV
-from moemesh.engine.request import RemotePrefillParams, RequestStatus
+from moemesh.engine.connectors.kv_transfer import RemoteKV
+from moemesh.engine.core.request import RemotePrefillParams, RequestStatus
 from moemesh.engine.sampling_params import SamplingParams
 from tests.engine.factories import make_request, make_scheduler
 
@@ -80,7 +80,7 @@ def test_aborting_a_request_waiting_for_kv_frees_its_blocks():
     scheduler = make_scheduler(num_blocks=16, block_size=4)
     scheduler.add_request(remote_request("a", 10))
     scheduler.schedule()
-    from moemesh.engine.request import FinishReason
+    from moemesh.engine.core.request import FinishReason
 
     assert [r.request_id for r in scheduler.finish_requests(["a"], FinishReason.ABORT)] == ["a"]
     assert scheduler.kv.num_used_blocks == 0 and scheduler.num_unfinished_requests == 0
@@ -89,7 +89,7 @@ def test_aborting_a_request_waiting_for_kv_frees_its_blocks():
 def test_split_kv_cuts_a_transfer_into_the_wire_formats_of_its_token_ranges():
     import torch
 
-    from moemesh.engine.kv_transfer import KVLayout, gather_kv, split_kv
+    from moemesh.engine.connectors.kv_transfer import KVLayout, gather_kv, split_kv
 
     source = [torch.randn(8, 4, 2, 3), torch.randn(8, 4, 5)]  # [num_blocks, block_size, *token_shape]
     layout = KVLayout("m", "float32", ((2, 3), (5,)))  # 44 bytes per token
@@ -132,7 +132,7 @@ def test_kv_events_report_stored_and_evicted_keys():
 def test_gather_then_scatter_moves_exactly_the_kv_of_the_token_range(start, end):
     import torch
 
-    from moemesh.engine.kv_transfer import gather_kv, scatter_kv
+    from moemesh.engine.connectors.kv_transfer import gather_kv, scatter_kv
 
     source = [torch.randn(8, 16, 2, 4), torch.randn(8, 16, 1, 3)]  # [num_blocks, block_size, *token_shape]
     block_ids = [5, 2, 7]

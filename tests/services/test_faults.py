@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from benchmarks.chaos import metric_total
-from moemesh.common import registry
-from moemesh.common.prefix_index import PrefixIndex, meta_key
-from moemesh.common.redis_client import connect
+from moemesh.contracts import registry
+from moemesh.contracts.prefix_index import PrefixIndex, meta_key
+from moemesh.contracts.redis_client import connect
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc
 from tests.redis_process import RedisServer
 from tests.services.cluster_helpers import decode_workers, generate, load, test_cluster, wait_until
@@ -70,7 +70,7 @@ def generate_on(worker, prompt_token_ids: list[int], request_id: str) -> list[in
 
 
 def test_a_sequence_gap_makes_the_worker_resync_its_index_entry(cluster, redis_client, tokenizer):
-    from moemesh.common.block_hash import HashExtra, hash_block_chain
+    from moemesh.contracts.block_hash import HashExtra, hash_block_chain
     from moemesh.engine.loader import default_model_path, open_checkpoint
 
     worker = decode_workers(cluster)[0]

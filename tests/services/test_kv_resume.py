@@ -14,14 +14,14 @@ import dataclasses
 
 import pytest
 
-from moemesh.common.block_hash import hash_block_chain
-from moemesh.common.metrics import WorkerMetrics
-from moemesh.decode.servicer import DecodeServicer
+from moemesh.contracts.block_hash import hash_block_chain
 from moemesh.engine.async_engine import AsyncEngine
-from moemesh.engine.kv_transfer import FirstToken, KVPiece, KVTransferError, KVTransport, RemoteKV, split_kv
-from moemesh.engine.request import RemotePrefillParams
+from moemesh.engine.connectors.kv_transfer import FirstToken, KVPiece, KVTransferError, KVTransport, RemoteKV, split_kv
+from moemesh.engine.core.request import RemotePrefillParams
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.proto.v1 import common_pb2, decode_pb2
+from moemesh.runtime.metrics import WorkerMetrics
+from moemesh.worker.decode_servicer import DecodeServicer
 
 BUDGET = 48  # tokens per round on the prefill side: 3 blocks of 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -206,9 +206,9 @@ def test_the_grpc_transport_yields_each_chunk_as_it_comes_and_fails_when_the_pre
     """The KV wait is progress-based: a chunk resets it, `idle_timeout_s` without one fails."""
     import grpc
 
-    from moemesh.common.grpc_util import ChannelPool
-    from moemesh.engine.kv_transfer import KVLayout, RemotePrefillTask
+    from moemesh.engine.connectors.kv_transfer import KVLayout, RemotePrefillTask
     from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc
+    from moemesh.runtime.grpc_util import ChannelPool
     from moemesh.worker.kv_client import GrpcKVTransport
 
     layout = KVLayout("m", "float32", ((2, 3),))

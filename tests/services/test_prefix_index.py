@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from moemesh.common import redis_keys
-from moemesh.common.block_hash import HashExtra, hash_block_chain
-from moemesh.common.prefix_index import PrefixIndex
-from moemesh.common.prefix_publisher import PrefixIndexPublisher
+from moemesh.contracts import redis_keys
+from moemesh.contracts.block_hash import HashExtra, hash_block_chain
+from moemesh.contracts.prefix_index import PrefixIndex
+from moemesh.worker.prefix_publisher import PrefixIndexPublisher
 
 MESH = "test-index"
 EXTRA = HashExtra("model")
@@ -159,7 +159,7 @@ def test_publisher_rebuilds_the_index_after_redis_lost_its_data(index, redis_cli
 
 
 def test_publisher_survives_an_unreachable_redis(redis_server, clock):
-    from moemesh.common.redis_client import connect
+    from moemesh.contracts.redis_client import connect
 
     unreachable = connect("redis://127.0.0.1:1/0", timeout_s=0.2)
 

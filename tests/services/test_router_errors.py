@@ -18,10 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
-from moemesh.common import registry
-from moemesh.common.grpc_util import ChannelPool, HealthReporter, create_server
-from moemesh.common.redis_client import connect
-from moemesh.common.settings import MeshSettings
+from moemesh.contracts import registry
+from moemesh.contracts.redis_client import connect
 from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from moemesh.router.api_keys import ApiKeys
 from moemesh.router.dispatcher import Delta, WorkerFailedError
@@ -31,6 +29,8 @@ from moemesh.router.http_api import build_app
 from moemesh.router.http_guard import GuardSettings
 from moemesh.router.main import HTTP_KEEP_ALIVE_S, build_frontend, http_server_config
 from moemesh.router.settings import RouterSettings
+from moemesh.runtime.grpc_util import ChannelPool, HealthReporter, create_server
+from moemesh.runtime.settings import MeshSettings
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 

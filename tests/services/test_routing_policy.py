@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis
 
-from moemesh.common import registry
-from moemesh.common.block_hash import HashExtra, hash_block_chain
+from moemesh.contracts import registry
+from moemesh.contracts.block_hash import HashExtra, hash_block_chain
 from moemesh.router.policy import Candidate, KVAware, LeastLoaded, RoundRobin
 from moemesh.router.worker_pool import RecentRoutes, WorkerPool
 

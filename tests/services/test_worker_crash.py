@@ -10,7 +10,7 @@ import sys
 import grpc
 import pytest
 
-from moemesh.common import registry
+from moemesh.contracts import registry
 from moemesh.launcher.local_cluster import free_port
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.services.cluster_helpers import wait_until

@@ -9,10 +9,10 @@ import argparse
 import pytest
 
 from moemesh import SamplingParams
-from moemesh.common.settings import SettingsError
+from moemesh.cli.serve_args import add_serve_arguments
 from moemesh.engine.config import SpecConfig
 from moemesh.engine.llm_engine import LLMEngine
-from moemesh.serve_args import add_serve_arguments
+from moemesh.runtime.settings import SettingsError
 from moemesh.worker.main import engine_config
 from moemesh.worker.settings import worker_settings
 

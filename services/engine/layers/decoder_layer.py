@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from moemesh.engine.layers.layernorm import RMSNorm
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,7 @@ from moemesh.engine.layers.attention import Attention
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.layernorm import RMSNorm
 from moemesh.engine.layers.rotary import RotaryEmbedding
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 
 
 class GQAAttention(nn.Module):

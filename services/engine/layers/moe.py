@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh import kernels
-from moemesh.engine.expert_load import ExpertLoadCounter
 from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertHandle
+from moemesh.engine.layers.expert_load_counter import ExpertLoadCounter
 from moemesh.kernels.fp8 import FP8_DTYPE, cdiv
 
 _METHODS = ("topk_softmax", "grouped_topk")

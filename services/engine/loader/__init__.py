@@ -3,8 +3,8 @@ weights, tokenizer). Models only ever see Hugging Face parameter names."""
 
 from __future__ import annotations
 
-from moemesh.common.model_source import default_model_path
 from moemesh.engine.loader.checkpoint import Checkpoint
+from moemesh.runtime.model_source_resolver import default_model_path
 from moemesh.text.model_text import check_model_path
 
 __all__ = ["Checkpoint", "default_model_path", "open_checkpoint"]

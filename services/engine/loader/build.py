@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from moemesh.engine.errors import ConfigError, ModelLoadError
 from moemesh.engine.layers.moe import RoutedExperts
+from moemesh.engine.layers.transformer_config import TransformerConfig
 from moemesh.engine.loader.checkpoint import Checkpoint
 from moemesh.engine.loader.fp8_checkpoint import (
     Fp8Plan,
@@ -25,7 +26,6 @@ from moemesh.engine.loader.fp8_checkpoint import (
 )
 from moemesh.engine.loader.gguf_quant import keeps_quantized, plan_gguf
 from moemesh.engine.models import get_model_class
-from moemesh.engine.models.config import TransformerConfig
 from moemesh.engine.models.expert_names import is_routed_expert_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -27,7 +27,7 @@ from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.layernorm import RMSNorm
 from moemesh.engine.layers.moe import PendingMoE, SparseMoE
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 
 
 @dataclass

@@ -34,7 +34,7 @@ from torch import nn
 
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.layernorm import RMSNorm
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 from moemesh.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 _OWN_WEIGHTS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")  # the MTP layer's own, not the decoder's

@@ -30,7 +30,7 @@ from moemesh.engine.layers.mla_attention import MLAAttention
 from moemesh.engine.layers.moe import GatingConfig, SparseMoE
 from moemesh.engine.layers.rope_scaling import RopeScaling, yarn_mscale
 from moemesh.engine.layers.rotary import RotaryEmbedding
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 from moemesh.engine.models.llama import LlamaMLP
 from moemesh.engine.models.moe_model import MoEForCausalLM
 

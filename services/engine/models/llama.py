@@ -19,7 +19,7 @@ from moemesh.engine.layers.attention import Attention
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.gqa_attention import GQAAttention
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 from moemesh.engine.models.decoder_model import DecoderModel, copy_weight
 from moemesh.engine.models.llama_int4_decode import Int4Decode
 

@@ -18,12 +18,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from moemesh.engine.expert_load import ExpertLoadCounter
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.decoder_layer import DecoderLayer
 from moemesh.engine.layers.expert_executor import ExpertExecutor, ExpertPlacement, LocalExpertExecutor
+from moemesh.engine.layers.expert_load_counter import ExpertLoadCounter
 from moemesh.engine.layers.moe import MoERuntime, SparseMoE
-from moemesh.engine.models.config import TransformerConfig
+from moemesh.engine.layers.transformer_config import TransformerConfig
 from moemesh.engine.models.decoder_model import DecoderModel, MicroBatch, copy_weight
 from moemesh.engine.models.expert_names import parse_expert_weight_name
 

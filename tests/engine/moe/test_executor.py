@@ -86,7 +86,7 @@ def test_a_placement_must_give_every_expert_a_replica_and_fit_the_model():
 
 
 def test_the_operators_placement_record_maps_onto_the_same_tables():
-    from moemesh.common.placement import make_placement
+    from moemesh.contracts.placement import make_placement
 
     record = make_placement(4, PHY2LOG, ["w0", "w1", "w2"], NUM_EXPERTS)  # 9 slots, 3 per worker
     local = ExpertPlacement.from_placement(record)

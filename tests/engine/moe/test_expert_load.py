@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moemesh import LLM, SamplingParams
-from moemesh.engine.expert_load import ExpertLoadCounter
+from moemesh.engine.layers.expert_load_counter import ExpertLoadCounter
 
 from .models import build_mixtral, make_prompts, save_tiny
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from moemesh.engine.expert_load import ExpertLoadCounter
 from moemesh.engine.layers.expert_executor import LocalExpertExecutor
+from moemesh.engine.layers.expert_load_counter import ExpertLoadCounter
 from moemesh.engine.layers.moe import GatingConfig, MoERuntime, SparseMoE
 from moemesh.engine.models.llama import LlamaMLP
 

@@ -12,8 +12,8 @@ import pytest
 
 from moemesh import LLM, SamplingParams
 from moemesh.engine.layers.expert_executor import ExpertHandle, LocalExpertExecutor
-from moemesh.engine.model_runner import micro_batch_split
-from moemesh.engine.overlap_tuner import OverlapTuner
+from moemesh.engine.runner.model_runner import micro_batch_split
+from moemesh.engine.runner.overlap_tuner import OverlapTuner
 
 from ..oracle_helpers import max_rel_error
 from .models import BUILDERS, MAX_NEW, hf_greedy, make_prompts, save_tiny

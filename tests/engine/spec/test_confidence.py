@@ -1,4 +1,4 @@
-from moemesh.engine.spec.confidence import CostTable, schedule_draft_lengths
+from moemesh.engine.speculative.confidence import CostTable, schedule_draft_lengths
 
 
 def test_flat_cost_admits_every_draft():

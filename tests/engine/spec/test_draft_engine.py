@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moemesh import LLM, SamplingParams
-from moemesh.engine import model_runner
 from moemesh.engine.config import SpecConfig
-from moemesh.engine.spec.rejection import verify_drafts
+from moemesh.engine.runner import model_runner
+from moemesh.engine.runner.rejection_sampler import verify_drafts
 
 from .conftest import save_tiny_llama
 from .test_spec_engine import GREEDY, PROMPTS

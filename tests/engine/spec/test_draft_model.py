@@ -8,7 +8,7 @@ import torch
 
 from moemesh.engine.config import ModelConfig, SpecConfig
 from moemesh.engine.errors import ConfigError, ModelLoadError
-from moemesh.engine.spec.draft_model import load_draft_proposer
+from moemesh.engine.speculative.draft_model import load_draft_proposer
 
 from .conftest import SMOLLM_VOCAB, save_tiny_llama
 

@@ -20,9 +20,9 @@ from moemesh.engine.config import SpecConfig
 from moemesh.engine.errors import ConfigError
 from moemesh.engine.loader import open_checkpoint
 from moemesh.engine.loader.build import build_model, build_mtp_model
-from moemesh.engine.spec.confidence import CostTable
-from moemesh.engine.spec.mtp import MtpProposer
-from moemesh.engine.spec.proposer import TargetHiddenStates
+from moemesh.engine.runner.hidden_states import TargetHiddenStates
+from moemesh.engine.speculative.confidence import CostTable
+from moemesh.engine.speculative.mtp import MtpProposer
 from moemesh.worker.settings import SpeculationSettings
 
 from ..moe.models import VOCAB, _common, hf_greedy

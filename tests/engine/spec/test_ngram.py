@@ -1,4 +1,4 @@
-from moemesh.engine.spec.ngram import NgramProposer
+from moemesh.engine.speculative.ngram import NgramProposer
 
 
 def test_repeated_phrase_is_drafted_from_its_earlier_occurrence():

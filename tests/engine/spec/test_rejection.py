@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.engine.spec.rejection import verify_drafts
+from moemesh.engine.runner.rejection_sampler import verify_drafts
 
 VOCAB = 6
 P = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])  # target

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import redis
 
-from moemesh.common.placement import Placement, contiguous_slot_owner
+from moemesh.contracts.placement import Placement, contiguous_slot_owner
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster, Service
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 from tests.services.cluster_helpers import RPC_TIMEOUT_S, WAIT_TIMEOUT_S, generate

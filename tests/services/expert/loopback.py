@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.common.placement import Placement
-from moemesh.expert.replicas import ReplicaStore
-from moemesh.expert.servicer import parse_call, run_call
-from moemesh.expert.transport import ExpertCallError, ExpertTransport
-from moemesh.expert.weights import MoEShape
+from moemesh.contracts.placement import Placement
+from moemesh.expert.server.replicas import ReplicaStore
+from moemesh.expert.server.servicer import parse_call, run_call
+from moemesh.expert.server.weights import MoEShape
+from moemesh.expert.transports.base import ExpertCallError, ExpertTransport
 
 
 @dataclass

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from moemesh.common.placement import Placement, make_placement
+from moemesh.contracts.placement import Placement, make_placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor
-from moemesh.expert.call import ExpertRequest, request_from_proto, request_to_proto
-from moemesh.expert.dispatch_plan import group_by_worker, reroute, sort_entries, split_by_worker
-from moemesh.expert.remote_executor import RemoteExpertExecutor, RemotePlacement
-from moemesh.expert.servicer import CallError, ExpertServicer, decode_request, parse_call
-from moemesh.expert.wire import tensor_to_proto
+from moemesh.expert.client.dispatch_plan import group_by_worker, reroute, sort_entries, split_by_worker
+from moemesh.expert.client.remote_executor import RemoteExpertExecutor, RemotePlacement
+from moemesh.expert.protocol.call import ExpertRequest, request_from_proto, request_to_proto
+from moemesh.expert.protocol.wire import tensor_to_proto
+from moemesh.expert.server.servicer import CallError, ExpertServicer, decode_request, parse_call
 from moemesh.kernels import moe_dispatch
 from moemesh.proto.v1 import expert_pb2
 

@@ -18,10 +18,10 @@ import grpc
 import numpy as np
 import pytest
 
-from moemesh.common.placement import PlacementError, PlacementStore
-from moemesh.common.placement_apply import apply_placement, even_placement
-from moemesh.common.redis_client import connect
-from moemesh.common.registry import list_workers
+from moemesh.contracts.placement import PlacementError, PlacementStore
+from moemesh.contracts.placement_apply import apply_placement, even_placement
+from moemesh.contracts.redis_client import connect
+from moemesh.contracts.registry import list_workers
 from moemesh.engine.sampling_params import SamplingParams
 from tests.engine.moe.models import make_prompts
 from tests.services.cluster_helpers import WAIT_TIMEOUT_S, generate, wait_until
@@ -110,8 +110,8 @@ def test_greedy_outputs_through_three_expert_workers_equal_local_experts_and_hug
 def test_each_expert_worker_reports_its_share_of_the_load_to_redis(cluster, redis_server, client, shape):
     """Under steady traffic every expert worker publishes a window (0.5 s in this cluster) with
     tokens only on the experts it hosts; the windows are awaited by keyspace notification."""
-    from moemesh.common.expert_load import read_expert_load
-    from moemesh.common.redis_keys import expert_load_key_prefix
+    from moemesh.contracts.expert_load_records import read_expert_load
+    from moemesh.contracts.redis_keys import expert_load_key_prefix
 
     prefix = expert_load_key_prefix(MESH)
     hosted = {s.worker_id: hosted_mask(s) for s in map(status, experts(cluster))}

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from moemesh.cli import build_parser
-from moemesh.common.settings import SettingsError
 from moemesh.operator import manifests
 from moemesh.operator.spec import parse_spec
+from moemesh.runtime.settings import SettingsError
 from moemesh.worker.settings import worker_settings
 
 SPEC = {
@@ -53,8 +53,8 @@ def test_prefill_and_decode_pods_use_the_mesh_expert_transport(tmp_path, transpo
 
 
 def test_the_worker_settings_name_the_transports_and_backends_the_expert_package_has():
-    from moemesh.expert.dist_group import BACKENDS
-    from moemesh.expert.transport import TRANSPORTS
+    from moemesh.expert.protocol.dist_group import BACKENDS
+    from moemesh.expert.transports.base import TRANSPORTS
     from moemesh.worker.settings import EXPERT_DIST_BACKENDS, EXPERT_TRANSPORTS
 
     assert (EXPERT_TRANSPORTS, EXPERT_DIST_BACKENDS) == (tuple(TRANSPORTS), tuple(BACKENDS))

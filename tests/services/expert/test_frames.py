@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from moemesh.expert.call import CallError, ExpertReply, ExpertRequest
-from moemesh.expert.frame_socket import FrameSocket
-from moemesh.expert.frames import (
+from moemesh.expert.protocol.call import CallError, ExpertReply, ExpertRequest
+from moemesh.expert.protocol.frame_socket import FrameSocket
+from moemesh.expert.protocol.frames import (
     MAX_PAYLOAD_BYTES,
     REPLY,
     REQUEST,
@@ -27,13 +27,14 @@ from moemesh.expert.frames import (
     decode_reply,
     decode_request,
     encode_error,
+    encode_hello,
     encode_reply,
     encode_request,
     parse_reply_header,
     parse_request_header,
     status_name,
 )
-from moemesh.expert.socket_server import SocketDataPlane, encode_hello
+from moemesh.expert.server.socket_server import SocketDataPlane
 
 
 def joined(buffers) -> bytearray:
@@ -170,7 +171,7 @@ def socket_pair(busy_poll_s: float) -> tuple[FrameSocket, socket.socket]:
 def test_a_polling_read_takes_bytes_that_arrive_while_it_polls_and_blocks_for_the_rest_after(monkeypatch, late):
     """The first half is there at once, the second is written only once the reader is polling
     (it yielded the CPU); `late`: only after its 1 ms budget too, so the blocking read takes it."""
-    from moemesh.expert import frame_socket
+    from moemesh.expert.protocol import frame_socket
 
     reader, writer = socket_pair(busy_poll_s=0.001 if late else 60.0)
     polling, yields = threading.Event(), []
@@ -203,7 +204,7 @@ def test_a_polling_read_takes_bytes_that_arrive_while_it_polls_and_blocks_for_th
 
 
 def test_a_polling_read_runs_keep_warm_while_it_waits_and_for_at_most_a_tenth_of_the_time():
-    from moemesh.expert.frame_socket import WARM_DUTY
+    from moemesh.expert.protocol.frame_socket import WARM_DUTY
 
     reader, writer = socket_pair(busy_poll_s=60.0)
     writer.sendall(b"abcd")

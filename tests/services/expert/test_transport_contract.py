@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from moemesh.expert.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
-from moemesh.expert.dist_server import DistDataPlane
-from moemesh.expert.socket_server import SocketDataPlane
-from moemesh.expert.transport import ExpertCallError, make_transport
+from moemesh.expert.protocol.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
+from moemesh.expert.server.dist_server import DistDataPlane
+from moemesh.expert.server.socket_server import SocketDataPlane
+from moemesh.expert.transports.base import ExpertCallError
+from moemesh.expert.transports.factory import make_transport
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 
 
@@ -235,7 +236,7 @@ def test_framing_carries_empty_and_multi_megabyte_messages_both_ways():
 
     import torch.distributed as dist
 
-    from moemesh.expert.dist_group import REPLY_TAGS, REQUEST_TAGS, Framing, pair_group
+    from moemesh.expert.protocol.dist_group import REPLY_TAGS, REQUEST_TAGS, Framing, pair_group
 
     timeout = datetime.timedelta(seconds=30)
     master = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)

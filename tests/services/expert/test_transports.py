@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from moemesh.common.placement_apply import apply_placement
-from moemesh.common.redis_client import connect
+from moemesh.contracts.placement_apply import apply_placement
+from moemesh.contracts.redis_client import connect
 from moemesh.engine.sampling_params import SamplingParams
 from tests.engine.moe.models import make_prompts
 from tests.services.cluster_helpers import WAIT_TIMEOUT_S, wait_until

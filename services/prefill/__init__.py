@@ -1,1 +1,0 @@
-"""Prefill role: the PrefillWorker servicer (prefill prompts, stream their KV to decode workers)."""
