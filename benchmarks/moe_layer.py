@@ -7,7 +7,7 @@ kernels.fused_moe) vs a naive per-expert loop written here (the transformers-sty
 Prints tokens/s for each batch size (median call time), the speed-up, and the cost of the load
 counters (the same layer with counting on vs off). Runs on CUDA when a GPU is present (Triton fused path there).
 
-On the CPU the experts run in kernels/cpu_moe.c, every group size; 2-vCPU Zen 4 guest, one
+On the CPU the experts run in kernels/csrc/cpu_moe.c, every group size; 2-vCPU Zen 4 guest, one
 thread, defaults, two runs: float32 2.1-3.2x the naive loop at 1-32 tokens, bfloat16 3.0-4.2x,
 1.7-2.4x at 64; at 512 tokens (64 rows per expert, where torch's matmuls are faster) 0.97x and
 0.93x (kernels/cpu_moe.py says why large groups still take the kernel).

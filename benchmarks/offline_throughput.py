@@ -8,10 +8,10 @@ Greedy, ignore_eos, `--max-tokens` new tokens per request, at 1 request and at e
 - moemesh quantized: bfloat16 activations, the GGUF's Q4_1/Q8_0 weights kept quantized
   (what dtype / quantization "auto" pick on a CPU with native bf16); a round of one request runs
   every layer in one C call (models/llama_int4_decode.py), larger rounds the eager layers with
-  the weights as code blocks (kernels/code_blocks.h: bf16 dot products with AVX512-BF16), or
+  the weights as code blocks (kernels/csrc/code_blocks.h: bf16 dot products with AVX512-BF16), or
   int4pack up to 8 rows and C-rebuilt weights + dense bf16 matmuls above on other CPUs;
 - moemesh quantized float32: float32 activations on the same quantized weights (what "auto" picks
-  without native bf16: the codes in row blocks, kernels/code_blocks.h, with one C call per
+  without native bf16: the codes in row blocks, kernels/csrc/code_blocks.h, with one C call per
   token at one request, the blocks' C GEMV up to 2 rows and C GEMM above);
 - moemesh float32: weights dequantized to float32 at load;
 - HF static batching (`generate` with left padding, one batch) and HF continuous batching

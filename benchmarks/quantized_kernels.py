@@ -5,7 +5,7 @@ bfloat16, at M = 1 (one decoding request) and M = 64 (a full decode round).
 
 Columns: dense F.linear; `_weight_int4pack_mm_for_cpu` (group 32, as Q4_0/Q4_1/Q4_K use, bf16
 only), which layers/quantized_linear.py runs at M <= 8, and above that W^T rebuilt from its layout
-by kernels/group_gemv.c plus a dense bf16 matmul; one `_weight_int8pack_mm` per 32-column group
+by kernels/csrc/group_gemv.c plus a dense bf16 matmul; one `_weight_int8pack_mm` per 32-column group
 (Q8_0 has a scale per group, the kernel one per row: the form this replaced); the C GEMV on Q8_0
 codes (bf16 x) and Q4_1 nibbles (float32 x), run at M <= 8; and its dequantize-per-call (the C
 rebuild + dense), run above that. Microseconds per call, best of 3 repeats;
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_flags, print_table  # noqa: E402
 
+from moemesh import kernels  # noqa: E402
 from moemesh.engine.layers.group_quantized import GroupQuantized  # noqa: E402
 from moemesh.engine.layers.quantized_linear import QuantizedLinear  # noqa: E402
-from moemesh.kernels import group_gemv  # noqa: E402
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}  # fmt: skip
@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    has_gemv = group_gemv.library() is not None
+    has_gemv = kernels.quantized_kernels_built()
     rows = []
     for name, (n, k) in SHAPES.items():
         dense32 = torch.randn(n, k)
@@ -91,9 +91,9 @@ def main() -> None:
                 "int4pack dequant+dense bf16": timed(lambda: q4_bf16._int4pack_dequantized_matmul(x16), iters)
                 if q4_bf16.block_n else float("nan"),
                 "int8 groups bf16": timed(lambda: int8_groups(x16, groups_codes, groups_scales), iters),
-                "C int8 bf16": timed(lambda: group_gemv.group_gemv(x16, q8_bf16.codes, q8_bf16.scales), iters)
+                "C int8 bf16": timed(lambda: kernels.quantized_gemv(x16, q8_bf16.codes, q8_bf16.scales), iters)
                 if has_gemv else float("nan"),
-                "C q4 fp32": timed(lambda: group_gemv.group_gemv(x32, q4_f32.codes, q4_f32.scales, q4_f32.mins),
+                "C q4 fp32": timed(lambda: kernels.quantized_gemv(x32, q4_f32.codes, q4_f32.scales, q4_f32.mins),
                                    iters) if has_gemv else float("nan"),
                 "C int8 dequant+dense bf16": timed(lambda: q8_bf16._dequantized_matmul(x16), max(2, iters // 4)),
                 "C q4 dequant+dense fp32": timed(lambda: q4_f32._dequantized_matmul(x32), max(2, iters // 4)),

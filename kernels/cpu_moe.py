@@ -1,4 +1,4 @@
-"""The routed experts of a decode round on the CPU: cpu_moe.c's `grouped_moe`, one ctypes call for
+"""The routed experts of a decode round on the CPU: csrc/cpu_moe.c's `grouped_moe`, one ctypes call for
 a layer's groups (an expert and its entries), what kernels/moe.py's grouped_moe_ref computes.
 
 At a decode round each expert gets a few rows, and a torch matmul of so few rows by an expert's
@@ -23,15 +23,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
-from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library
+from moemesh.kernels.c_library import CSRC, NATIVE_FLAGS, compile_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_moe.c")
+SOURCE = CSRC / "cpu_moe.c"
 DTYPES = (torch.float32, torch.bfloat16)
 ALIGN = 32  # hidden and intermediate sizes: multiples of this (the kernel's vector loops)
 

@@ -1,6 +1,6 @@
-"""The decoder's small per-token operations on the CPU in C (cpu_ops.c): fused add + RMSNorm,
-NeoX rotary embedding, the KV-cache store, decode attention and the prefill attention of short
-prompts, one ctypes call each.
+"""The decoder's small per-token operations on the CPU in C (csrc/cpu_ops.c with
+csrc/paged_attention.c, one library): fused add + RMSNorm, NeoX rotary embedding, the KV-cache
+store, decode attention and the prefill attention of short prompts, one ctypes call each.
 
 kernels/dispatch.py calls these for CPU tensors of float32 or bfloat16 whose layout they read
 (rows contiguous in their last dimension) when the library is built, and the torch references
@@ -17,22 +17,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
-from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, declare_parts, run_parts
+from moemesh.kernels.c_library import CSRC, NATIVE_FLAGS, compile_library, declare_parts, run_parts
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCES = (CSRC / "cpu_ops.c", CSRC / "paged_attention.c")
 MAX_HIDDEN = 16384  # rms_norm's and rope_neox's row buffers in cpu_ops.c
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=4)
 def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
-    lib = compile_library(SOURCE, target_flags, "the decoder's small ops run as torch ops")
+    lib = compile_library(SOURCES, target_flags, "the decoder's small ops run as torch ops")
     if lib is None:
         return None
     i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -43,9 +42,7 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
                                            i64, i64, i32]  # fmt: skip
     lib.paged_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32,
                                             ptr, i64, i64, i32]  # fmt: skip
-    lib.int4_llama_decode_token.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64]
-    for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.paged_prefill_attention,
-               lib.int4_llama_decode_token):  # fmt: skip
+    for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.paged_prefill_attention):
         fn.restype = i32
     declare_parts(lib, "paged_decode_attention", 14)
     declare_parts(lib, "paged_prefill_attention", 15)
@@ -293,54 +290,3 @@ def paged_prefill_attention(
             kv_heads, head_dim, scale, out.data_ptr())  # fmt: skip
     _run_requests(lib, "paged_prefill_attention", args, query, num_reqs, True, ", a query offset")
     return out
-
-
-class Int4Layer(ctypes.Structure):
-    """One Llama layer's tensors for int4_llama_decode_token (cpu_ops.c's Int4Layer): addresses of
-    the norm weights, each projection's 4-bit codes with their scales (int4pack: [G, N, 2] bfloat16
-    scale and zero; GGUF nibbles: [N, G] scales and, or 0, mins; 4-bit code blocks: [G, N] scales and
-    mins), and the layer's KV cache."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_sz", "o_sz", "gate_up_sz", "down_sz",
-        "qkv_min", "o_min", "gate_up_min", "down_min", "k_cache", "v_cache")]  # fmt: skip
-
-
-# Int4Dims.format: int4pack with bf16 activations; GGUF nibbles or 4-bit code blocks with float32
-FORMAT_INT4PACK, FORMAT_NIBBLES, FORMAT_BLOCKS = 0, 1, 2
-
-
-class Int4Dims(ctypes.Structure):
-    _fields_ = [
-        *[(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "group",
-                                              "block_n", "num_blocks", "block_size", "max_position", "rotary_dim",
-                                              "format", "bf16", "half")],
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("cos_sin", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-def int4_llama_decode_token(
-    dims: Int4Dims,
-    layers: ctypes.Array,  # of Int4Layer
-    hidden: torch.Tensor,  # [hidden] in the activation dtype, contiguous: the embedding in, the last MLP output out
-    residual: torch.Tensor,  # [hidden] likewise: written
-    position: int,
-    slot: int,
-    block_table: torch.Tensor,  # [max_blocks] int32, contiguous
-    context_len: int,
-    lib: ctypes.CDLL | None = None,
-    threads: int | None = None,  # default: torch's; more than one: a second thread takes half of each GEMV
-) -> None:
-    """One token through every layer (cpu_ops.c int4_llama_decode_token)."""
-    lib = lib or library()
-    threads = torch.get_num_threads() if threads is None else threads
-    rc = lib.int4_llama_decode_token(ctypes.byref(dims), layers, len(layers), hidden.data_ptr(), residual.data_ptr(),
-                                     position, slot, block_table.data_ptr(), block_table.shape[0], context_len,
-                                     threads)  # fmt: skip
-    if rc == -2:
-        raise MemoryError("int4_llama_decode_token: no memory for the activations")
-    if rc != 0:
-        raise IndexError(f"int4_llama_decode_token: position {position}, slot {slot} or context {context_len} "
-                         "outside the cache or the rotary table, or shapes it does not take")  # fmt: skip

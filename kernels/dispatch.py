@@ -1,20 +1,25 @@
-"""Pick the Triton kernel on CUDA tensors, the C kernel of cpu_ops.c / cpu_moe.c for the CPU
-operations it has (where it is built and reads the tensors' layout), and the torch reference
-elsewhere.
+"""Pick the Triton kernel on CUDA tensors, the C kernel (kernels/csrc/, through its loader module:
+cpu_ops, cpu_moe, group_gemv, llama_decode, moe_dispatch) for the CPU operations it has, where it
+is built and reads the tensors' layout, and the torch reference elsewhere.
 
-The engine calls only these functions. Triton is imported by the kernel modules only if it is
-installed (see _triton.py), so this module imports on machines without a GPU or without triton;
-CUDA tensors without triton fall back to the references.
+Code outside kernels/ calls only these functions (re-exported by moemesh.kernels), never a loader.
+Triton is imported by the kernel modules only if it is installed (see _triton.py), so this module
+imports on machines without a GPU or without triton; CUDA tensors without triton fall back to the
+references.
 """
 
+import ctypes
+
+import numpy as np
 import torch
 
-from moemesh.kernels import cpu_moe, cpu_ops
+from moemesh.kernels import cpu_moe, cpu_ops, group_gemv, llama_decode, moe_dispatch
 from moemesh.kernels._triton import HAS_TRITON
 from moemesh.kernels.fp8 import DEFAULT_BLOCK
 from moemesh.kernels.fp8_gemm import fp8_linear_triton, fp8_linear_w8a16_ref
 from moemesh.kernels.fp8_moe import fp8_fused_moe_triton, fp8_fused_moe_w8a16_ref
 from moemesh.kernels.gating import grouped_topk_ref, grouped_topk_triton, topk_softmax_ref, topk_softmax_triton
+from moemesh.kernels.group_quant import group_dequantize_ref, group_gemv_ref
 from moemesh.kernels.kv_store import store_kv_cache_ref, store_kv_cache_triton
 from moemesh.kernels.mla import mla_decode_attention_ref, mla_decode_attention_triton
 from moemesh.kernels.moe import fused_moe_triton, group_entries, grouped_moe_ref
@@ -196,3 +201,109 @@ def fp8_fused_moe(hidden_states, w13, w13_scale_inv, w2, w2_scale_inv, topk_weig
     if not _use_triton(hidden_states):
         return fp8_fused_moe_w8a16_ref(*args, topk_weights, topk_ids, block)
     return fp8_fused_moe_triton(*args, topk_weights.contiguous(), topk_ids.contiguous(), block)
+
+
+# -- group-quantized weights (GGUF codes with their scales: group_quant.py's layouts) ---------------
+
+
+def quantized_kernels_built() -> bool:
+    """The C library for group-quantized weights (csrc/group_gemv.c) is built on this machine
+    (built now, on the first call: the warm-up). Without it the quantized layers dequantize per
+    call with torch, and int4pack / code-block layouts are never chosen."""
+    return group_gemv.library() is not None
+
+
+def quantized_gemv(
+    x: torch.Tensor,  # [M, K], any floating dtype
+    codes: torch.Tensor,  # [N, K] int8, or [N, K / 2] uint8 nibbles
+    scale: torch.Tensor,  # [N, K // group] float32 or float16
+    mins: torch.Tensor | None = None,  # like scale, or None
+) -> torch.Tensor:  # [M, N] float32
+    """y = x @ W^T, W[n, g * group + j] = scale[n, g] * q (+ mins[n, g]), in float32: the C GEMV
+    (the weight read once for all rows) on CPU tensors, the torch reference elsewhere."""
+    if not x.is_cuda and quantized_kernels_built():
+        return group_gemv.group_gemv(x, codes, scale, mins)
+    return group_gemv_ref(x, codes, scale, mins)
+
+
+def group_dequantize(
+    codes: torch.Tensor,  # [N, K] int8, or [N, K / 2] uint8 nibbles
+    scale: torch.Tensor,  # [N, K // group] float32 or float16
+    mins: torch.Tensor | None,  # like scale, or None
+    dtype: torch.dtype,
+    rows: slice | torch.Tensor = slice(None),  # a range of rows, or row indices (a gather)
+    out: torch.Tensor | None = None,  # [R, K] of `dtype`, contiguous
+) -> torch.Tensor:  # [R, K]
+    """Rows of W in `dtype`, code * scale (+ min) rounded once: the C kernel for float32 and
+    bfloat16 CPU outputs, the torch reference (the same values for GGUF's scales) elsewhere."""
+    if dtype in (torch.float32, torch.bfloat16) and not codes.is_cuda and quantized_kernels_built():
+        return group_gemv.dequantize(codes, scale, mins, dtype, rows, out)
+    return group_dequantize_ref(codes, scale, mins, dtype, rows, out)
+
+
+# -- one decode token through a 4-bit Llama stack (csrc/llama_decode.c) ----------------------------
+
+
+def llama_decode_built() -> bool:
+    """The one-token Llama decoder's C library is built here (built now, on the first call).
+    Without it the model runs its eager stack, the reference."""
+    return llama_decode.library() is not None
+
+
+def int4_llama_decode_token(
+    dims: llama_decode.Int4Dims,
+    layers: ctypes.Array,  # of Int4Layer
+    hidden: torch.Tensor,  # [hidden] in the activation dtype, contiguous: the embedding in, the last MLP output out
+    residual: torch.Tensor,  # [hidden] likewise: written
+    position: int,
+    slot: int,
+    block_table: torch.Tensor,  # [max_blocks] int32, contiguous
+    context_len: int,
+) -> None:
+    """One token through every layer in one C call (llama_decode.py); callers check
+    llama_decode_built() first, as there is no torch path at this level."""
+    llama_decode.int4_llama_decode_token(dims, layers, hidden, residual, position, slot, block_table, context_len)
+
+
+# -- a MoE layer's expert dispatch (csrc/moe_dispatch.c) and routed experts (csrc/cpu_moe.c) --------
+
+
+def plan_expert_dispatch(
+    tables: moe_dispatch.LayerTables,
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int64, contiguous, CPU
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32, contiguous, CPU
+) -> moe_dispatch.DispatchPlan | None:
+    """The attention side's per-worker batches in one C call, or None without the C library (the
+    caller's numpy path computes the same plan)."""
+    lib = moe_dispatch.library()
+    return None if lib is None else moe_dispatch.plan_dispatch(lib, tables, topk_ids, topk_weights)
+
+
+def check_expert_groups(
+    slots: np.ndarray,  # [num_groups] the replica slot of each group
+    experts: np.ndarray,  # [num_groups] its logical expert
+    sizes: np.ndarray,  # [num_groups] its entries
+    row_ids: np.ndarray,  # [num_entries] rows of the request's hidden states
+    num_rows: int,
+    local_index: np.ndarray,  # [num_slots] the worker's replica of each slot, -1: not held here
+    phy2log: np.ndarray,  # [num_slots] the layer's logical expert of each slot
+):
+    """The expert side's request check in one C pass: (group_local, group_rows, row ids) int64,
+    or (error name, index) for what is wrong; None without the C library (the caller's numpy
+    checks run instead)."""
+    lib = moe_dispatch.library()
+    if lib is None:
+        return None
+    return moe_dispatch.check_groups(lib, slots, experts, sizes, row_ids, num_rows, local_index, phy2log)
+
+
+def build_expert_dispatch_kernel() -> bool:
+    """Build (or find in the cache) the expert dispatch's C library now, at start-up rather than
+    in the first MoE layer; False where it cannot be built (numpy then plans)."""
+    return moe_dispatch.library() is not None
+
+
+def build_grouped_moe_kernel() -> bool:
+    """Build (or find in the cache) the CPU routed-expert kernel now, at start-up rather than in the
+    first MoE layer; False where it cannot be built (torch's matmuls then run the experts)."""
+    return cpu_moe.library() is not None

@@ -1,4 +1,4 @@
-"""Group-quantized GEMV on the CPU: the C kernel in group_gemv.c, compiled at first use.
+"""Group-quantized GEMV on the CPU: the C kernel in csrc/group_gemv.c, compiled at first use.
 
 PyTorch has no CPU kernel for these weights at a decode round's few rows: `_weight_int8pack_mm`
 scales whole rows, so GGUF's Q8_0 (a scale per 32 columns) took one call per group (SmolLM2's
@@ -28,15 +28,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
-from moemesh.kernels.c_library import NATIVE_FLAGS, compile_library, declare_parts, run_parts
+from moemesh.kernels.c_library import CSRC, NATIVE_FLAGS, compile_library, declare_parts, run_parts
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("group_gemv.c")
+SOURCE = CSRC / "group_gemv.c"
 MAX_M = 8  # rows of x per call (the C side's MAX_M); more rows are taken MAX_M at a time
 
 
@@ -214,27 +213,6 @@ def blocks_bf16_gemm(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.blocks_bf16_gemm())
 
 
-def blocks_from_codes(codes: torch.Tensor, block_n: int, bits: int = 4) -> torch.Tensor:
-    """[N, K] codes (0..15 for 4 bits, int8 for 8) in row blocks: per block of block_n rows, per
-    column, block_n / 2 bytes (byte j = row j | row block_n / 2 + j << 4) or block_n bytes."""
-    n, k = codes.shape
-    if n % block_n or block_n % 2 or bits not in (4, 8):
-        raise ValueError(f"code blocks: {n} rows are not blocks of {block_n}, or {bits} bits")
-    if bits == 8:
-        return codes.to(torch.int8).view(n // block_n, block_n, k).transpose(1, 2).reshape(n, k).contiguous()
-    c = codes.to(torch.uint8).view(n // block_n, 2, block_n // 2, k).permute(0, 3, 1, 2)  # [NB, K, 2, half]
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def codes_from_blocks(packed: torch.Tensor, block_n: int) -> torch.Tensor:  # -> [N, K] uint8 (4-bit) or int8
-    if packed.dtype == torch.int8:
-        n, k = packed.shape
-        return packed.view(n // block_n, k, block_n).transpose(1, 2).reshape(n, k)
-    n, half_k = packed.shape
-    p = packed.view(n // block_n, half_k * 2, 1, block_n // 2)  # [NB, K, 1, half]
-    return torch.cat((p & 0x0F, p >> 4), dim=2).permute(0, 2, 3, 1).reshape(n, half_k * 2)
-
-
 def _blocks_args(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, block_n: int) -> tuple:
     """(packed, bits, scale, mins, half, n, k, group) after the checks every entry point shares;
     the codes' dtype says their width (uint8: 4-bit pairs, int8: 8-bit)."""
@@ -370,16 +348,3 @@ def _row_ranges(n: int, num_weights: int, threads: int) -> list[tuple[int, int]]
     parts = max(1, min(threads, n // 64)) if num_weights >= PARALLEL_MIN_WEIGHTS else 1
     bounds = [n * i // parts for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
-
-
-def nibbles_from_codes(codes: torch.Tensor) -> torch.Tensor:  # [N, K] 0..15 -> [N, K / 2] uint8
-    """group_gemv.c's nibble layout: per 32 columns, byte j = column j | column j + 16 << 4."""
-    n, k = codes.shape
-    c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
-
-
-def codes_from_nibbles(packed: torch.Tensor) -> torch.Tensor:  # [R, K / 2] uint8 -> [R, K] uint8
-    r, half = packed.shape
-    p = packed.view(r, half // 16, 1, 16)
-    return torch.cat((p & 0x0F, p >> 4), dim=2).reshape(r, half * 2)

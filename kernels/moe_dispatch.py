@@ -1,4 +1,4 @@
-"""A MoE layer's expert dispatch in C (moe_dispatch.c), one ctypes call per side.
+"""A MoE layer's expert dispatch in C (csrc/moe_dispatch.c), one ctypes call per side.
 
 `plan_dispatch` (the attention worker's remote executor): replicas by the round-robin rule, the
 entries sorted by (owning worker, replica) and cut into per-worker batches, in one call instead
@@ -8,8 +8,9 @@ streams the experts' weights through the caches (~100 MB a layer at DeepSeek-lik
 every small numpy call on this path runs from cold caches, several times slower than in a
 microbenchmark; fewer calls is what makes dispatch cheap (benchmarks/expert_dispatch.py).
 
-No compiler: `library()` is None and the callers use their numpy paths (services/expert/dispatch_plan.py,
-servicer.parse_call), which compute the same.
+No compiler: `library()` is None, moemesh.kernels' plan_expert_dispatch / check_expert_groups say None
+and the callers use their numpy paths (services/expert/client/dispatch_plan.py,
+services/expert/server/servicer.py parse_call), which compute the same.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from moemesh.kernels.c_library import compile_library
+from moemesh.kernels.c_library import CSRC, compile_library
 
-SOURCE = Path(__file__).with_name("moe_dispatch.c")
+SOURCE = CSRC / "moe_dispatch.c"
 BAD_EXPERT, BAD_SLOT, NO_MEMORY = -1, -2, -3  # plan_dispatch's codes
 GROUP_ERRORS = {-1: "bad_slot", -2: "bad_size", -3: "not_local", -4: "wrong_expert", -5: "row_count",
                 -6: "bad_row"}  # fmt: skip

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh import LLM
+from moemesh import LLM, kernels
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.models import llama_int4_decode
-from moemesh.kernels import cpu_ops, group_gemv
 
 from .oracle_helpers import max_rel_error
 from .test_quantized_oracle import BFLOAT16_BOUND, FLOAT32_BOUND
@@ -19,7 +18,7 @@ from .test_quantized_oracle import BFLOAT16_BOUND, FLOAT32_BOUND
 
 @pytest.fixture(scope="module")
 def llm(smollm_path):
-    if cpu_ops.library() is None or group_gemv.int4pack_block_n() is None:
+    if not kernels.llama_decode_built() or kernels.int4pack_block_n() is None:
         pytest.skip("no C compiler or an int4pack layout the C code does not read")
     return LLM(smollm_path, dtype="bfloat16", quantization="gguf", num_blocks=64, show_progress=False)
 
@@ -48,8 +47,8 @@ def decode_logits(llm: LLM, ids: list[int], num_prompt: int, eager: bool = False
 def test_the_c_decode_agrees_with_hf_where_the_margin_exceeds_the_bound(llm, hf_model, prompt_ids, hf_greedy,
                                                                        monkeypatch):  # fmt: skip
     calls = []
-    real = cpu_ops.int4_llama_decode_token
-    monkeypatch.setattr(cpu_ops, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.int4_llama_decode_token
+    monkeypatch.setattr(kernels, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
     num_safe = num_agree = num_generated = 0
     for prompt, greedy in list(zip(prompt_ids, hf_greedy))[:4]:
         seq = prompt + greedy
@@ -72,16 +71,16 @@ def test_the_float32_c_decode_matches_hf_logits_and_greedy_tokens(smollm_path, h
                                                                   monkeypatch, layout):  # fmt: skip
     """Float32 projections in nibble blocks (where the C kernels have vector loops), or in GGUF's
     own nibble order (the layout elsewhere: forced here by hiding the blocks' kernels)."""
-    if layout == "blocks" and group_gemv.blocks_block_n() is None:
+    if layout == "blocks" and kernels.blocks_block_n() is None:
         pytest.skip("no vector loops for nibble blocks on this CPU")
     if layout == "nibbles":
-        monkeypatch.setattr(group_gemv, "blocks_block_n", lambda lib=None: None)
+        monkeypatch.setattr(kernels, "blocks_block_n", lambda: None)
     llm32 = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=64, show_progress=False)
     forms = {"blocks": {"blocks"}, "nibbles": {"nibbles", "int8"}}[layout]  # the Q8_0 embedding too
     assert {m.form for m in llm32.engine.model.modules() if hasattr(m, "form")} == forms
     calls = []
-    real = cpu_ops.int4_llama_decode_token
-    monkeypatch.setattr(cpu_ops, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.int4_llama_decode_token
+    monkeypatch.setattr(kernels, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
     for prompt, greedy in list(zip(prompt_ids, hf_greedy))[:4]:
         seq = prompt + greedy
         with torch.no_grad():
@@ -90,8 +89,7 @@ def test_the_float32_c_decode_matches_hf_logits_and_greedy_tokens(smollm_path, h
         assert max_rel_error(ours, ref) < FLOAT32_BOUND
         assert ours.argmax(-1).tolist() == greedy
     assert len(calls) == sum(len(g) - 1 for g in hf_greedy[:4])
-    formats = {"blocks": cpu_ops.FORMAT_BLOCKS, "nibbles": cpu_ops.FORMAT_NIBBLES}
-    assert llm32.engine.model.int4_decode.dims.format == formats[layout]
+    assert llm32.engine.model.int4_decode.dims.format == kernels.INT4_FORMATS[layout]
 
 
 def test_the_c_decode_equals_the_eager_stack_to_bfloat16_rounding(llm, prompt_ids, hf_greedy):
@@ -108,8 +106,8 @@ def test_generate_runs_single_request_decode_rounds_through_the_c_call(llm, prom
     from moemesh import SamplingParams
 
     calls = []
-    real = cpu_ops.int4_llama_decode_token
-    monkeypatch.setattr(cpu_ops, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.int4_llama_decode_token
+    monkeypatch.setattr(kernels, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = llm.generate([prompt_ids[2]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert len(out[0].token_ids) == 16 and len(calls) == 15  # every round after the prefill
     calls.clear()

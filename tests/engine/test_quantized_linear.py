@@ -11,11 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from moemesh import kernels
 from moemesh.engine import dtype as engine_dtype
 from moemesh.engine.layers import quantized_linear
 from moemesh.engine.layers.quantized_linear import GEMV_MAX_M, QuantizedEmbedding, QuantizedLinear
 from moemesh.engine.loader.gguf_blocks import read_blocks
-from moemesh.kernels import group_gemv
+from moemesh.kernels import group_gemv  # only to take its library away: a machine without a C compiler
 
 N, K = 96, 512  # K: two K-quant super-blocks
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -68,7 +69,7 @@ def test_blocks_read_as_codes_and_scales_dequantize_bit_for_bit_like_gguf(qtype)
 
 def float32_form(qtype: str, n: int) -> str:
     """The form weights of n rows take with float32 activations on this machine."""
-    block_n = group_gemv.blocks_block_n()
+    block_n = kernels.blocks_block_n()
     if block_n and n % block_n == 0:
         return "blocks"
     return "nibbles" if qtype.startswith("Q4") else "int8"
@@ -134,7 +135,7 @@ def test_scales_keep_ggufs_float16_when_exact_and_float32_for_k_quant_products()
 
 
 def test_without_a_c_compiler_weights_dequantize_per_call_logged_once_per_type(monkeypatch, caplog):
-    monkeypatch.setattr(group_gemv, "library", lambda: None)
+    monkeypatch.setattr(group_gemv, "library", lambda: None)  # every front-door function sees no library
     with caplog.at_level(logging.INFO, logger="moemesh.engine.layers.quantized_linear"):
         module, data = loaded("Q4_0", torch.float32)
         loaded("Q4_0", torch.float32)
@@ -147,12 +148,12 @@ def test_without_a_c_compiler_weights_dequantize_per_call_logged_once_per_type(m
 
 
 def test_decode_rows_use_the_c_gemv_and_larger_rounds_dequantize(monkeypatch):
-    if group_gemv.library() is None:
+    if not kernels.quantized_kernels_built():
         pytest.skip("no C compiler here")
     module, _ = loaded("Q8_0", torch.bfloat16)
     calls = []
-    real = group_gemv.group_gemv
-    monkeypatch.setattr(group_gemv, "group_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = kernels.quantized_gemv
+    monkeypatch.setattr(kernels, "quantized_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     module(torch.randn(GEMV_MAX_M, K).bfloat16())
     module(torch.randn(GEMV_MAX_M + 1, K).bfloat16())
     assert calls == [GEMV_MAX_M]
@@ -183,14 +184,14 @@ def test_bfloat16_four_bit_rounds_above_the_gemvs_rows_dequantize_the_int4pack_l
     more rebuild W^T from its layout in C and multiply densely; both within bf16 rounding of GGUF's
     weights in float64. N = 80 (a multiple of neither 32 nor 64) keeps int4pack at every row count.
     (Where AVX512-BF16 gives bfloat16 weights code blocks instead, they are hidden here.)"""
-    if group_gemv.library() is None or group_gemv.int4pack_block_n() is None:
+    if not kernels.quantized_kernels_built() or kernels.int4pack_block_n() is None:
         pytest.skip("no C compiler or an unknown int4pack layout here")
-    monkeypatch.setattr(group_gemv, "blocks_bf16_gemm", lambda lib=None: False)
+    monkeypatch.setattr(kernels, "blocks_bf16_gemm", lambda: False)
     module, data = loaded(qtype, torch.bfloat16, n=256)
-    assert module.form == "int4pack" and module.block_n == group_gemv.int4pack_block_n()
+    assert module.form == "int4pack" and module.block_n == kernels.int4pack_block_n()
     calls = []
-    real = group_gemv.int4pack_dequantize
-    monkeypatch.setattr(group_gemv, "int4pack_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.int4pack_dequantize
+    monkeypatch.setattr(kernels, "int4pack_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(quantized_linear, "CHUNK_ROWS", 128)  # two column chunks
     w = reference(data, qtype)
     for m, dequantized in ((GEMV_MAX_M, False), (GEMV_MAX_M + 1, True), (40, True)):
@@ -229,7 +230,7 @@ def test_bfloat16_code_blocks_are_within_bfloat16_rounding_of_the_float64_produc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [96, 128])  # float32 4-bit: nibbles (AVX-512) or blocks; blocks
 def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype, n):
-    if group_gemv.library() is None:
+    if not kernels.quantized_kernels_built():
         pytest.skip("no C compiler here")
     module, _ = loaded(qtype, dtype, gather=True, n=n)
     ids = torch.tensor([5, 0, 95, 5])
@@ -241,7 +242,7 @@ def test_the_c_dequantizer_gives_the_torch_paths_rows_bit_for_bit(qtype, dtype, 
 def test_float32_four_bit_rounds_run_the_blocks_gemv_then_the_blocks_gemm(qtype, monkeypatch):
     """Nibble blocks: up to BLOCKS_GEMV_MAX_M rows run the blocks' GEMV, more the blocks' GEMM; both
     within float32 rounding of GGUF's weights in float64, and no full-precision weight is kept."""
-    block_n = group_gemv.blocks_block_n()
+    block_n = kernels.blocks_block_n()
     if block_n is None:
         pytest.skip("no vector loops for nibble blocks on this CPU")
     module, data = loaded(qtype, torch.float32, n=640)
@@ -249,8 +250,8 @@ def test_float32_four_bit_rounds_run_the_blocks_gemv_then_the_blocks_gemm(qtype,
     assert stored_bytes(module) <= MAX_BYTES_RATIO[qtype] * data.nbytes
     calls = []
     for name in ("blocks_gemv", "blocks_gemm"):
-        real = getattr(group_gemv, name)
-        monkeypatch.setattr(group_gemv, name, lambda x, *a, real=real, name=name, **k:
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda x, *a, real=real, name=name, **k:
                             calls.append((name, x.shape[0])) or real(x, *a, **k))  # fmt: skip
     w = reference(data, qtype)
     rows = (1, quantized_linear.BLOCKS_GEMV_MAX_M, quantized_linear.BLOCKS_GEMV_MAX_M + 1, GEMV_MAX_M + 1, 40)

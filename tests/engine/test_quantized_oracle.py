@@ -11,9 +11,8 @@ import os
 import pytest
 import torch
 
-from moemesh import LLM
+from moemesh import LLM, kernels
 from moemesh.engine.layers import quantized_linear
-from moemesh.kernels import group_gemv
 
 from .oracle_helpers import max_rel_error, prefill_logits
 
@@ -38,7 +37,7 @@ def test_float32_quantized_model_matches_hf_logits_and_greedy_tokens(smollm_path
     llm = LLM(smollm_path, dtype="float32", quantization="gguf", num_blocks=64, show_progress=False)
     forms = {m.form for m in llm.engine.model.modules() if hasattr(m, "form")}
     # Q4_1 projections and the Q8_0 tied embedding (SmolLM2's N: multiples of 64): no dense copy
-    assert forms == ({"blocks"} if group_gemv.blocks_block_n() else {"nibbles", "int8"})
+    assert forms == ({"blocks"} if kernels.blocks_block_n() else {"nibbles", "int8"})
     sequences, refs = teacher_forced
     for prompt, seq, ours, ref in zip(prompt_ids, sequences, prefill_logits(llm, sequences), refs):
         assert max_rel_error(ours, ref) < FLOAT32_BOUND
@@ -91,15 +90,15 @@ def test_auto_keeps_gguf_weights_quantized_in_bfloat16_and_in_float32_where_the_
     keeps = lambda q, dtype, device="cpu": gguf_quant.keeps_quantized(checkpoint, q, dtype, device)  # noqa: E731
     assert keeps("auto", "bfloat16") and keeps("gguf", "float16") and not keeps("none", "bfloat16")
     assert not keeps("auto", "float16") and not keeps("auto", "bfloat16", "cuda")
-    assert keeps("auto", "float32") == (group_gemv.library() is not None)
-    monkeypatch.setattr(group_gemv, "library", lambda: None)
+    assert keeps("auto", "float32") == kernels.quantized_kernels_built()
+    monkeypatch.setattr(kernels, "quantized_kernels_built", lambda: False)
     assert not keeps("auto", "float32") and keeps("gguf", "float32")
 
 
 def test_float32_by_default_keeps_the_file_quantized_under_1_25x(smollm_path):
-    if group_gemv.library() is None:
+    if not kernels.quantized_kernels_built():
         pytest.skip("no C compiler here: float32 dequantizes at load")
     llm = LLM(smollm_path, dtype="float32", num_blocks=16, show_progress=False)
-    forms = {"blocks"} if group_gemv.blocks_block_n() else {"nibbles", "int8"}
+    forms = {"blocks"} if kernels.blocks_block_n() else {"nibbles", "int8"}
     assert {m.form for m in llm.engine.model.modules() if hasattr(m, "form")} == forms
     assert weight_bytes(llm.engine.model) <= 1.25 * os.path.getsize(smollm_path)

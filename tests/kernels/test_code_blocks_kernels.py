@@ -1,4 +1,4 @@
-"""4- and 8-bit codes in row blocks (kernels/code_blocks.h through group_gemv.c): the 4-bit layout
+"""4- and 8-bit codes in row blocks (kernels/csrc/code_blocks.h through group_gemv.c): the 4-bit layout
 against ATen's int4pack packing, the GEMV and the GEMM against a float64 product, and the row
 gather against the float64 weights rounded once to float32; for each build this machine can run
 (native, AVX2 only, scalar) and row blocks the vector loops read (4 vectors) or not."""
@@ -10,6 +10,7 @@ import torch
 from test_group_gemv_kernels import _library
 
 from moemesh.kernels import group_gemv as gg
+from moemesh.kernels import group_quant
 
 BUILDS = ("native", "avx2", "scalar")
 
@@ -27,25 +28,25 @@ def _weight(n: int, k: int, group: int, scale_dtype: torch.dtype, with_mins: boo
     w = codes.double().view(n, k // group, group) * scale.double().t()[..., None]
     if mins is not None:
         w = w + mins.double().t()[..., None]
-    return gg.blocks_from_codes(codes, block_n, bits), scale, mins, w.view(n, k)
+    return group_quant.blocks_from_codes(codes, block_n, bits), scale, mins, w.view(n, k)
 
 
 def test_the_layout_round_trips_and_is_atens_int4pack_code_order():
     codes = torch.randint(0, 16, (128, 64), dtype=torch.int32)
     for block_n in (16, 32, 64):
-        packed = gg.blocks_from_codes(codes, block_n)
-        assert packed.shape == (128, 32) and torch.equal(gg.codes_from_blocks(packed, block_n), codes.byte())
+        packed = group_quant.blocks_from_codes(codes, block_n)
+        assert packed.shape == (128, 32) and torch.equal(group_quant.codes_from_blocks(packed, block_n), codes.byte())
         first = packed.view(-1)[: block_n // 2]  # column 0 of the first block
         assert torch.equal(first & 0x0F, codes[: block_n // 2, 0].byte())
         assert torch.equal(first >> 4, codes[block_n // 2 : block_n, 0].byte())
     aten_block = gg.int4pack_block_n()
     if aten_block is not None:
         aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        assert torch.equal(aten, gg.blocks_from_codes(codes, aten_block))
+        assert torch.equal(aten, group_quant.blocks_from_codes(codes, aten_block))
     signed = torch.randint(-128, 128, (128, 64), dtype=torch.int8)
-    packed = gg.blocks_from_codes(signed, 32, bits=8)  # 8-bit: column k of a block is 32 bytes, row j's at j
+    packed = group_quant.blocks_from_codes(signed, 32, bits=8)  # 8-bit: column k of a block is 32 bytes, row j's at j
     assert packed.dtype == torch.int8 and torch.equal(packed.view(-1)[:32], signed[:32, 0])
-    assert torch.equal(gg.codes_from_blocks(packed, 32), signed)
+    assert torch.equal(group_quant.codes_from_blocks(packed, 32), signed)
 
 
 CASES = [  # bits, K, group, scale dtype, mins
@@ -140,4 +141,4 @@ def test_bad_shapes_rows_and_dtypes_are_refused_with_a_message():
     with pytest.raises(IndexError):
         gg.blocks_gather(packed, scale, mins, 32, torch.tensor([0, 64]), lib=lib)
     with pytest.raises(ValueError, match="rows are not blocks"):
-        gg.blocks_from_codes(torch.zeros(48, 64, dtype=torch.uint8), 32)
+        group_quant.blocks_from_codes(torch.zeros(48, 64, dtype=torch.uint8), 32)

@@ -1,4 +1,4 @@
-"""The C routed-expert kernel of kernels/cpu_moe.c against a float64 oracle built here and against
+"""The C routed-expert kernel of kernels/csrc/cpu_moe.c against a float64 oracle built here and against
 the torch reference (kernels/moe.py's grouped_moe_ref), for each build this machine can run
 (native, AVX2 only, scalar); its refusals; and dispatch.py's choice between it and the reference."""
 

@@ -1,5 +1,5 @@
-"""The C decoder ops of kernels/cpu_ops.c against float64 oracles built here, for each build this
-machine can run (native, AVX2 only, scalar): fused add + RMSNorm, NeoX rotary embedding, the
+"""The C decoder ops of kernels/csrc/cpu_ops.c and paged_attention.c against float64 oracles built here, for each
+build this machine can run (native, AVX2 only, scalar): fused add + RMSNorm, NeoX rotary embedding, the
 KV-cache store and decode attention over paged KV. Where cpu_ops.c claims the torch reference's own roundings (the residual
 sum, rotary), the outputs are also compared with that reference bit for bit; and dispatch.py is
 checked to pick the C op for the CPU tensors it reads and the reference for the rest."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import TOLERANCES, assert_close_f64, gather_positions, nan_like, random_block_tables
-from test_int4_decode_kernel import BUILDS, _library
+from kernel_testing import C_BUILDS as BUILDS
+from kernel_testing import TOLERANCES, assert_close_f64, built_library, gather_positions, nan_like, random_block_tables
 
 from moemesh.kernels import cpu_ops, dispatch
 from moemesh.kernels.kv_store import store_kv_cache_ref
@@ -18,6 +18,10 @@ from moemesh.kernels.paged_attention import paged_prefill_attention_ref
 from moemesh.kernels.rotary import rotary_embedding_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _library(build: str):
+    return built_library(cpu_ops.build, build)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

@@ -1,4 +1,4 @@
-"""The C dequantizers of kernels/group_gemv.c against weights built independently in float64, for
+"""The C dequantizers of kernels/csrc/group_gemv.c against weights built independently in float64, for
 each build this machine can run (-march=native, AVX2 only, scalar):
 
 - `dequantize` (GGUF's int8 / nibble layouts, what rounds above the GEMV's few rows and quantized

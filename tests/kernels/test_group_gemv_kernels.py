@@ -1,4 +1,4 @@
-"""The C group-quantized GEMV (kernels/group_gemv.c) against a float64 product with the weights
+"""The C group-quantized GEMV (kernels/csrc/group_gemv.c) against a float64 product with the weights
 built independently (codes times scale plus min, per group), for each build this machine can run:
 -march=native, AVX2 only, and no vector flags (the scalar loop)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_testing import C_BUILDS, built_library
 
-from moemesh.kernels import c_library
+from moemesh.kernels import c_library, group_quant
 from moemesh.kernels import group_gemv as gg
 
 BUILDS = C_BUILDS
@@ -33,7 +33,7 @@ def _weight(layout: str, k: int, group: int, scale_dtype: torch.dtype, with_mins
     w = codes.double().view(N, num_groups, group) * scale.double()[..., None]
     if mins is not None:
         w = w + mins.double()[..., None]
-    stored = codes if layout == "int8" else gg.nibbles_from_codes(codes)
+    stored = codes if layout == "int8" else group_quant.nibbles_from_codes(codes)
     return stored, scale, mins, w.view(N, k)
 
 
@@ -70,8 +70,8 @@ def test_bfloat16_input_is_read_as_its_float32_value():
 
 def test_nibble_layout_round_trips_and_follows_ggufs_order():
     codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
-    packed = gg.nibbles_from_codes(codes)
-    assert packed.shape == (3, 32) and torch.equal(gg.codes_from_nibbles(packed), codes)
+    packed = group_quant.nibbles_from_codes(codes)
+    assert packed.shape == (3, 32) and torch.equal(group_quant.codes_from_nibbles(packed), codes)
     assert torch.equal(packed[:, :16] & 0x0F, codes[:, :16]) and torch.equal(packed[:, :16] >> 4, codes[:, 16:32])
 
 
@@ -86,7 +86,7 @@ def test_bad_shapes_and_dtypes_are_refused_with_a_message():
         gg.group_gemv(torch.randn(1, 64), codes, scale.T.contiguous().T, mins, lib=lib)
     int8_codes, s, _, _ = _weight("int8", 64, 16, torch.float32, False)
     with pytest.raises(ValueError, match="unsupported"):  # nibbles need groups of 32
-        gg.group_gemv(torch.randn(1, 64), gg.nibbles_from_codes(int8_codes.abs().clamp(max=15).to(torch.uint8)), s,
+        gg.group_gemv(torch.randn(1, 64), group_quant.nibbles_from_codes(int8_codes.abs().clamp(max=15).to(torch.uint8)), s,
                       lib=lib)  # fmt: skip
 
 

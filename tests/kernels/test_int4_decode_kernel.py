@@ -1,4 +1,4 @@
-"""cpu_ops.c `int4_llama_decode_token` on a tiny random two-layer Llama stack against a float64
+"""csrc/llama_decode.c `int4_llama_decode_token` on a tiny random two-layer Llama stack against a float64
 forward written here, for each build this machine can run (native, AVX2 only, scalar) and both
 int4pack block widths (64 rows, as ATen packs with AVX-512; 32, with AVX2; bf16 activations), the
 weights packed by this folder's own writer of the layout, and GGUF's codes with float32 activations
@@ -12,7 +12,7 @@ import torch
 from kernel_testing import C_BUILDS, built_library
 from test_group_dequantize_kernels import _int4_weight, pack_int4
 
-from moemesh.kernels import cpu_ops, group_gemv
+from moemesh.kernels import group_quant, llama_decode
 
 BUILDS = C_BUILDS
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, GROUP = 64, 2, 1, 32, 64, 32
@@ -20,7 +20,7 @@ BLOCK_SIZE, NUM_BLOCKS, EPS = 4, 6, 1e-5
 
 
 def _library(build: str):
-    return built_library(cpu_ops.build, build)
+    return built_library(llama_decode.build, build)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,9 @@ def _projection(layout: str, n: int, k: int, seed: int):
     mins = (torch.randn(n, k // GROUP, generator=gen) * 1e-2).half()
     w = codes.double().view(n, -1, GROUP) * scale.double()[..., None] + mins.double()[..., None]
     if layout.startswith("blocks"):
-        packed = group_gemv.blocks_from_codes(codes, int(layout.split("-")[1]))
+        packed = group_quant.blocks_from_codes(codes, int(layout.split("-")[1]))
         return packed, scale.t().contiguous(), mins.t().contiguous(), w.view(n, k)
-    return group_gemv.nibbles_from_codes(codes), scale, mins, w.view(n, k)
+    return group_quant.nibbles_from_codes(codes), scale, mins, w.view(n, k)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -68,7 +68,7 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
     table = torch.tensor([3, 0, 5], dtype=torch.int32)  # positions 0-3 in block 3, 4-7 in 0, 8-11 in 5
     slot = int(table[position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
     cos_sin = torch.randn(16, HEAD_DIM, generator=gen).float()
-    keep, layers, ref_layers = [], (cpu_ops.Int4Layer * 2)(), []
+    keep, layers, ref_layers = [], (llama_decode.Int4Layer * 2)(), []
     for i, entry in enumerate(layers):
         weights = {}
         for name, (n, k) in shapes.items():
@@ -85,18 +85,37 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
         entry.input_norm, entry.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
         entry.k_cache, entry.v_cache = caches[0].data_ptr(), caches[1].data_ptr()
         ref_layers.append((weights, norms, [c.clone() for c in caches]))
-    formats = {"int4pack": cpu_ops.FORMAT_INT4PACK, "nibbles": cpu_ops.FORMAT_NIBBLES, "blocks": cpu_ops.FORMAT_BLOCKS}
-    dims = cpu_ops.Int4Dims(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=INTER,
-                            group=GROUP, block_n=int(layout.split("-")[1]) if "-" in layout else 0,
-                            num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_position=16, rotary_dim=HEAD_DIM,
-                            format=formats[layout.split("-")[0]], bf16=int(dtype == torch.bfloat16), half=int(exact),
-                            eps=EPS, scale=HEAD_DIM**-0.5, cos_sin=cos_sin.data_ptr())  # fmt: skip
+    formats = {
+        "int4pack": llama_decode.FORMAT_INT4PACK,
+        "nibbles": llama_decode.FORMAT_NIBBLES,
+        "blocks": llama_decode.FORMAT_BLOCKS,
+    }
+    dims = llama_decode.Int4Dims(
+        hidden=HIDDEN,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate=INTER,
+        group=GROUP,
+        block_n=int(layout.split("-")[1]) if "-" in layout else 0,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        max_position=16,
+        rotary_dim=HEAD_DIM,
+        format=formats[layout.split("-")[0]],
+        bf16=int(dtype == torch.bfloat16),
+        half=int(exact),
+        eps=EPS,
+        scale=HEAD_DIM**-0.5,
+        cos_sin=cos_sin.data_ptr(),
+    )
     embedding = torch.randn(HIDDEN, generator=gen).to(dtype)
     runs = []
     for threads in (1, 2):  # 2: a second thread takes half of each GEMV's rows; the same sums
         hidden, residual = embedding.clone(), torch.empty(HIDDEN, dtype=dtype)
-        cpu_ops.int4_llama_decode_token(dims, layers, hidden, residual, position, slot, table, context, lib=lib,
-                                        threads=threads)  # fmt: skip
+        llama_decode.int4_llama_decode_token(
+            dims, layers, hidden, residual, position, slot, table, context, lib=lib, threads=threads
+        )
         runs.append((hidden, residual))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
@@ -133,11 +152,33 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
 
 def test_a_block_outside_the_cache_is_refused_before_anything_is_written():
     lib = _library("native")
-    dims = cpu_ops.Int4Dims(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=INTER,
-                            group=GROUP, block_n=64, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_position=16,
-                            rotary_dim=HEAD_DIM, eps=EPS, scale=1.0, cos_sin=0)  # fmt: skip
+    dims = llama_decode.Int4Dims(
+        hidden=HIDDEN,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate=INTER,
+        group=GROUP,
+        block_n=64,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        max_position=16,
+        rotary_dim=HEAD_DIM,
+        eps=EPS,
+        scale=1.0,
+        cos_sin=0,
+    )
     hidden = torch.ones(HIDDEN, dtype=torch.bfloat16)
     with pytest.raises(IndexError):
-        cpu_ops.int4_llama_decode_token(dims, (cpu_ops.Int4Layer * 1)(), hidden, hidden.clone(), 5, 5,
-                                        torch.tensor([0, 99], dtype=torch.int32), 6, lib=lib)  # fmt: skip
+        llama_decode.int4_llama_decode_token(
+            dims,
+            (llama_decode.Int4Layer * 1)(),
+            hidden,
+            hidden.clone(),
+            5,
+            5,
+            torch.tensor([0, 99], dtype=torch.int32),
+            6,
+            lib=lib,
+        )
     assert torch.equal(hidden, torch.ones(HIDDEN, dtype=torch.bfloat16))

@@ -1,4 +1,4 @@
-"""kernels/moe_dispatch.c against oracles written here: plan_dispatch's replicas against a plain
+"""kernels/csrc/moe_dispatch.c against oracles written here: plan_dispatch's replicas against a plain
 loop of the round-robin rule and its batches against a per-worker brute force (sorted by
 (owner, replica), tokens by `np.unique`); check_groups against the same conditions evaluated one by
 one, each refusal with the index it names."""

@@ -31,8 +31,6 @@ import numpy as np
 import torch
 
 from moemesh import kernels
-from moemesh.kernels import cpu_moe
-from moemesh.kernels.dispatch import fp8_fused_moe
 
 
 class ExpertWeights(Protocol):
@@ -44,7 +42,7 @@ class ExpertWeights(Protocol):
 
 def expert_tensors(experts: ExpertWeights) -> tuple[torch.Tensor, ...]:
     """(w13, w2), or (w13, w13_scale_inv, w2, w2_scale_inv) for block-FP8 experts: the weight
-    arguments of `kernels.fused_moe` / `kernels.dispatch.fp8_fused_moe`, in their order."""
+    arguments of `kernels.fused_moe` / `kernels.fp8_fused_moe`, in their order."""
     if getattr(experts, "fp8_block", None) is None:
         return experts.w13, experts.w2
     return experts.w13, experts.w13_scale_inv, experts.w2, experts.w2_scale_inv
@@ -59,7 +57,7 @@ def run_experts(
 ) -> torch.Tensor:  # [num_tokens, hidden]
     if fp8_block is None:
         return kernels.fused_moe(hidden_states, *tensors, topk_weights, replica_ids)
-    return fp8_fused_moe(hidden_states, *tensors, topk_weights, replica_ids, fp8_block)
+    return kernels.fp8_fused_moe(hidden_states, *tensors, topk_weights, replica_ids, fp8_block)
 
 
 class ExpertPlacement:
@@ -220,7 +218,7 @@ class LocalExpertExecutor(ExpertExecutor):
         self._check(self.placement)
         self._replica_weights: dict[int, tuple] = {}  # layer -> (key, *replica tensors)
         if self.experts and self.experts[0].w13.device.type == "cpu":
-            cpu_moe.library()  # the CPU expert kernel (kernels/cpu_moe.c), built now, not in the first MoE layer
+            kernels.build_grouped_moe_kernel()  # the CPU expert kernel, built now, not in the first MoE layer
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         self._check(placement)

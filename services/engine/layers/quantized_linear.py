@@ -10,25 +10,25 @@ four storage forms, and with it the kernel:
   dtype whose x86 kernel is vectorized (float32 runs a scalar loop), so scales are rounded to bf16.
   It beats the C GEMV below on every SmolLM2 shape at M = 1, but its cost grows with every row
   (SmolLM2's gate_up at M = 64, one thread: 2.7 ms), so a round of more than `GEMV_MAX_M` rows
-  rebuilds W^T from the int4pack layout in C (kernels/group_gemv.py `int4pack_dequantize`, 0.18
+  rebuilds W^T from the int4pack layout in C (kernels.int4pack_dequantize, 0.18
   ms) and multiplies densely in bf16 (1.2 ms). That needs N to be a multiple of the layout's row
   blocks (`block_n`: 64 with AVX-512, 32 with AVX2); other weights run int4pack at every M.
 - `blocks` (4- and 8-bit codes, N a multiple of the C kernels' row block: 64 with AVX-512, 32
   with AVX2; float32 activations, and bfloat16 ones where AVX512-BF16 gives the GEMM bfloat16 dot
   products and there is no AMX, `bf16_code_blocks`: SmolLM2's projections at 64 rows 1.1x
   int4pack's rebuild + oneDNN at one thread, 1.5x at two): the codes in row blocks
-  (kernels/code_blocks.h; 4-bit ones in int4pack's code order), exact float16 / float32 scales
+  (kernels/csrc/code_blocks.h; 4-bit ones in int4pack's code order), exact float16 / float32 scales
   and mins [G, N]. At most `BLOCKS_GEMV_MAX_M` rows run the blocks' C GEMV (SmolLM2's projections
   at one row: 1.5x GGUF's own order), more the blocks' C GEMM, which rebuilds each block's W^T a
   slice at a time in cache and multiplies it there (at 64 rows 1.4x a rebuilt weight through MKL,
   1.6x at two threads); an embedding gathers its rows. The same values as `int8` / `nibbles`.
 - `int8` (8-bit codes otherwise: Q8_0, Q6_K): codes [N, K] int8, scales [N, G].
 - `nibbles` (4-bit codes otherwise: bfloat16 gathered embeddings, shapes the blocks do not fit,
-  CPUs without AVX2): two codes per byte in kernels/group_gemv.c's order (GGUF's own), scales and
+  CPUs without AVX2): two codes per byte in kernels/csrc/group_gemv.c's order (GGUF's own), scales and
   mins [N, G].
 
 `int8` and `nibbles` multiply a round of at most `GEMV_MAX_M` rows with the C kernel
-(kernels/group_gemv.py: exact scales, float32 sums, the weight read once at memory bandwidth) and
+(kernels.quantized_gemv: exact scales, float32 sums, the weight read once at memory bandwidth) and
 dequantize per call above that. "Dequantize per call" rebuilds the weight (whole, or a weight of
 more than `CHUNK_ROWS` rows in chunks of `CHUNK_BYTES`) from the exact scales (float16 where that
 is exact, float32 otherwise): code * scale + min
@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh import kernels
 from moemesh.engine import dtype as engine_dtype
 from moemesh.engine.layers.group_quantized import GroupQuantized
-from moemesh.kernels import group_gemv
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def bf16_code_blocks() -> bool:
     """Whether bfloat16 activations get code blocks on this CPU: where their GEMM has bfloat16 dot
     products (AVX512-BF16, 64-row blocks), but not with AMX, whose tile GEMM (oneDNN's, on
     int4pack's rebuilt weight) outruns vector dot products."""
-    return (group_gemv.blocks_block_n() == 64 and group_gemv.blocks_bf16_gemm()
+    return (kernels.blocks_block_n() == 64 and kernels.blocks_bf16_gemm()
             and "amx_bf16" not in engine_dtype.cpu_flags())  # fmt: skip
 
 
@@ -80,7 +80,7 @@ def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather:
     one by one (an embedding), which the int4pack layout cannot do."""
     cpu = torch.device(device).type == "cpu"
     blocks = cpu and (dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_code_blocks()))
-    block_n = group_gemv.blocks_block_n() if blocks else None
+    block_n = kernels.blocks_block_n() if blocks else None
     if block_n and weight.shape[0] % block_n == 0 and weight.group_size <= 256:
         return "blocks"
     if weight.bits == 4 and cpu and dtype == torch.bfloat16 and not gather and weight.group_size in INT4PACK_GROUPS:
@@ -88,7 +88,7 @@ def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather:
     form = "int8" if weight.bits == 8 else "nibbles"
     if form == "nibbles" and weight.group_size % 32:
         raise ValueError(f"{weight.qtype}: 4-bit codes in groups of {weight.group_size} (a multiple of 32 is needed)")
-    if not cpu or group_gemv.library() is None:
+    if not cpu or not kernels.quantized_kernels_built():
         _log_once(weight.qtype, dtype, f"{form}: no C GEMV for {device}; dequantizing per call")
     return form
 
@@ -139,23 +139,23 @@ class QuantizedLinear(nn.Module):
             scales_zeros = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1)  # [G, N, 2]
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
             self.register_buffer("scales_zeros", scales_zeros.to(dtype).contiguous())
-            block_n = group_gemv.int4pack_block_n()
+            block_n = kernels.int4pack_block_n()
             self.block_n = block_n if block_n and n % block_n == 0 else None  # None: int4pack at every M
             if self.block_n is None:
                 _log_once(weight.qtype, dtype, f"int4pack at every row count ({n} rows, layout blocks {block_n})")
         elif self.form == "blocks":
-            self.block_n = group_gemv.blocks_block_n()
+            self.block_n = kernels.blocks_block_n()
             _log_once(weight.qtype, dtype, f"code blocks of {self.block_n} rows (the C GEMV up to {BLOCKS_GEMV_MAX_M} "
                       f"rows, the C GEMM above)")  # fmt: skip
             scales, mins = _exact_pair(weight.scale, weight.min)
-            self.register_buffer("codes", group_gemv.blocks_from_codes(weight.codes, self.block_n, weight.bits))
+            self.register_buffer("codes", kernels.blocks_from_codes(weight.codes, self.block_n, weight.bits))
             self.register_buffer("scales", scales.t().contiguous())  # [G, N]
             if mins is not None:
                 self.register_buffer("mins", mins.t().contiguous())  # [G, N]
         else:
             if self.form == "int8" and weight.min is not None:
                 raise ValueError(f"{weight.qtype}: 8-bit codes with a min are not supported")
-            codes = weight.codes if self.form == "int8" else group_gemv.nibbles_from_codes(weight.codes)
+            codes = weight.codes if self.form == "int8" else kernels.nibbles_from_codes(weight.codes)
             scales, mins = _exact_pair(weight.scale, weight.min)
             self.register_buffer("codes", codes.contiguous())  # [N, K] int8 or [N, K / 2] uint8
             self.register_buffer("scales", scales.contiguous())  # [N, G]
@@ -173,10 +173,10 @@ class QuantizedLinear(nn.Module):
         elif self.form == "int4pack":
             y = self._int4pack_dequantized_matmul(x2)
         elif self.form == "blocks":
-            multiply = group_gemv.blocks_gemv if x2.shape[0] <= BLOCKS_GEMV_MAX_M else group_gemv.blocks_gemm
+            multiply = kernels.blocks_gemv if x2.shape[0] <= BLOCKS_GEMV_MAX_M else kernels.blocks_gemm
             y = multiply(x2, self.codes, self.scales, getattr(self, "mins", None), self.block_n).to(x2.dtype)
-        elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and group_gemv.library() is not None:
-            y = group_gemv.group_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
+        elif x2.shape[0] <= GEMV_MAX_M and not x2.is_cuda and kernels.quantized_kernels_built():
+            y = kernels.quantized_gemv(x2, self.codes, self.scales, getattr(self, "mins", None)).to(x2.dtype)
         else:
             y = self._dequantized_matmul(x2)
         return y.view(*lead, self.out_features)
@@ -202,8 +202,8 @@ class QuantizedLinear(nn.Module):
         for r in range(0, n, chunk):
             cols = slice(r, min(r + chunk, n))
             width = cols.stop - cols.start
-            w_t = group_gemv.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
-                                                 cols, out=buffer[: k * width].view(k, width))  # fmt: skip
+            w_t = kernels.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
+                                              cols, out=buffer[: k * width].view(k, width))  # fmt: skip
             if y is None:
                 return torch.mm(x, w_t)
             y[:, cols] = torch.mm(x, w_t)
@@ -221,20 +221,20 @@ class QuantizedLinear(nn.Module):
         if self.form == "blocks":
             mins = getattr(self, "mins", None)
             if dtype == torch.float32:
-                return group_gemv.blocks_gather(self.codes, self.scales, mins, self.block_n, rows, out)
-            w = group_gemv.blocks_gather(self.codes, self.scales, mins, self.block_n, rows)
+                return kernels.blocks_gather(self.codes, self.scales, mins, self.block_n, rows, out)
+            w = kernels.blocks_gather(self.codes, self.scales, mins, self.block_n, rows)
             return w.to(dtype) if out is None else out.copy_(w)
-        if dtype in (torch.float32, torch.bfloat16) and not self.codes.is_cuda and group_gemv.library() is not None:
-            return group_gemv.dequantize(self.codes, self.scales, getattr(self, "mins", None), dtype, rows, out)
+        if dtype in (torch.float32, torch.bfloat16) and not self.codes.is_cuda and kernels.quantized_kernels_built():
+            return kernels.group_dequantize(self.codes, self.scales, getattr(self, "mins", None), dtype, rows, out)
         return self._dequantize_rows_torch(rows, dtype, out)
 
     def _dequantize_rows_torch(
         self, rows: slice | torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # [R, K]: dequantize_rows without the C kernel (the same values)
         blocks = self.form == "blocks"  # codes in row blocks, scales [G, N]
-        codes = group_gemv.codes_from_blocks(self.codes, self.block_n)[rows] if blocks else self.codes[rows]
+        codes = kernels.codes_from_blocks(self.codes, self.block_n)[rows] if blocks else self.codes[rows]
         if self.form == "nibbles":
-            codes = group_gemv.codes_from_nibbles(codes)
+            codes = kernels.codes_from_nibbles(codes)
         r = codes.shape[0]
         codes = codes.view(r, -1, self.group_size)  # [R, G, group]
         w = torch.empty(codes.shape, dtype=dtype) if out is None else out.view(codes.shape)

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moemesh import kernels
 from moemesh.engine.layers.group_quantized import GroupQuantized, concat_rows
 from moemesh.engine.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from moemesh.engine.loader.checkpoint import Checkpoint
-from moemesh.kernels import group_gemv
 
 log = logging.getLogger(__name__)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -34,7 +34,7 @@ def keeps_quantized(checkpoint: Checkpoint, quantization: str, dtype: str, devic
     if torch.device(device).type != "cpu":
         log.info("GGUF weights dequantized to %s at load: quantized layers run on CPU only", dtype)
         return False
-    if quantization == "auto" and dtype == "float32" and group_gemv.library() is None:
+    if quantization == "auto" and dtype == "float32" and not kernels.quantized_kernels_built():
         log.info("GGUF weights dequantized to float32 at load: no C compiler for the quantized float32 kernels "
                  "(quantization='gguf' keeps them quantized, dequantizing per call with torch)")  # fmt: skip
         return False

@@ -1,6 +1,6 @@
 """A decode round of one request through a Llama stack whose projections are GGUF 4-bit weights on
 the CPU (int4pack with bfloat16 activations, GGUF's nibbles with float32 ones, 4-bit code blocks
-with either) in one C call (kernels/cpu_ops.c `int4_llama_decode_token`) instead of ~40 torch ops and
+with either) in one C call (kernels/csrc/llama_decode.c `int4_llama_decode_token`) instead of ~40 torch ops and
 module calls per layer.
 
 At one token per round the eager stack spends more time dispatching ops than moving weights
@@ -22,15 +22,15 @@ import logging
 import torch
 from torch import nn
 
+from moemesh import kernels
 from moemesh.engine.layers.attention_metadata import AttentionMetadata
 from moemesh.engine.layers.quantized_linear import QuantizedLinear
-from moemesh.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
 
 class Int4Decode:
-    def __init__(self, stack: nn.Module, dims: cpu_ops.Int4Dims, layers: ctypes.Array, cache_ptr: int):
+    def __init__(self, stack: nn.Module, dims: kernels.Int4Dims, layers: ctypes.Array, cache_ptr: int):
         # the decoder stack, not the model that holds this object: no reference cycle keeps a
         # dropped model (and its KV cache) alive until the cyclic collector runs
         self.stack, self.dims, self.layers, self.cache_ptr = stack, dims, layers, cache_ptr
@@ -48,21 +48,16 @@ class Int4Decode:
         qkv = first.self_attn.qkv_proj
         cos_sin = rope.cos_sin_cache
         int4pack = qkv.form == "int4pack"
-        formats = {
-            "int4pack": cpu_ops.FORMAT_INT4PACK,
-            "nibbles": cpu_ops.FORMAT_NIBBLES,
-            "blocks": cpu_ops.FORMAT_BLOCKS,
-        }
-        dims = cpu_ops.Int4Dims(
+        dims = kernels.Int4Dims(
             hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=first.mlp.down_proj.in_features, group=qkv.group_size, block_n=qkv.block_n or 0,
             num_blocks=attn.attn.k_cache.shape[0], block_size=attn.attn.k_cache.shape[1],
             max_position=cos_sin.shape[0], rotary_dim=cos_sin.shape[1],
-            format=formats[qkv.form], bf16=int(first.input_layernorm.weight.dtype == torch.bfloat16),
+            format=kernels.INT4_FORMATS[qkv.form], bf16=int(first.input_layernorm.weight.dtype == torch.bfloat16),
             half=int(not int4pack and qkv.scales.dtype == torch.float16), eps=first.input_layernorm.eps,
             scale=attn.attn.scale, cos_sin=cos_sin.data_ptr(),
         )  # fmt: skip
-        layers = (cpu_ops.Int4Layer * len(stack.layers))()
+        layers = (kernels.Int4Layer * len(stack.layers))()
         for entry, layer in zip(layers, stack.layers):
             a, m = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -101,7 +96,7 @@ class Int4Decode:
         hidden = stack.embed_tokens(input_ids).contiguous()  # [1, hidden]
         residual = torch.empty_like(hidden)
         table = meta.block_tables[0]
-        cpu_ops.int4_llama_decode_token(self.dims, self.layers, hidden, residual, int(positions[0]),
+        kernels.int4_llama_decode_token(self.dims, self.layers, hidden, residual, int(positions[0]),
                                         int(meta.slot_mapping[0]), table if table.is_contiguous() else
                                         table.contiguous(), int(meta.context_lens[0]))  # fmt: skip
         return stack.norm(hidden, residual)[0]
@@ -116,7 +111,7 @@ def _unsupported(model: nn.Module) -> str | None:
     """Why the C call cannot run this model's stack, or None. It reads int4pack projections with
     bfloat16 activations, GGUF nibble projections (groups of 32) with float32 ones, and 4-bit
     code-block projections with either."""
-    if cpu_ops.library() is None:
+    if not kernels.llama_decode_built():
         return "no C compiler"
     layers = model.model.layers
     layouts = set()

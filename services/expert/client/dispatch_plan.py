@@ -10,7 +10,7 @@ their gate weights, and returns its weighted partial sum per token (the combine 
 side; the remote executor adds the partials).
 
 `plan_layer` is what the remote executor calls: replicas and the split in one C call
-(kernels/moe_dispatch.c; the same plan as `sort_entries` + `split_by_worker`, with fewer calls
+(kernels/csrc/moe_dispatch.c; the same plan as `sort_entries` + `split_by_worker`, with fewer calls
 on a path that runs from cold caches), or with numpy where no C compiler is found.
 `reroute` moves entries off workers that are down onto other replicas of the same expert.
 Pure numpy/torch on the CPU; no I/O.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moemesh.kernels import moe_dispatch
+from moemesh import kernels
 
 
 @dataclass(frozen=True)
@@ -90,19 +90,18 @@ def split_by_worker(entries: SortedEntries, slot_owner: np.ndarray, num_tokens: 
 
 
 def plan_layer(
-    tables: moe_dispatch.LayerTables,  # the placement's layer
+    tables: kernels.LayerTables,  # the placement's layer
     replica_ids,  # () -> [num_tokens, top_k] replica ids (the numpy path's; the C path maps them itself)
     topk_ids: torch.Tensor,  # [num_tokens, top_k] logical experts, on the CPU
     topk_weights: torch.Tensor,  # [num_tokens, top_k] gate weights, on the CPU
 ) -> tuple[SortedEntries, torch.Tensor, list[WorkerBatch]]:
     """(the sorted entries, their gate weights float32 [num_entries], one batch per worker)."""
     num_tokens = topk_ids.shape[0]
-    lib = moe_dispatch.library()
-    if lib is None:
+    plan = kernels.plan_expert_dispatch(tables, topk_ids.long().contiguous(), topk_weights.float().contiguous())
+    if plan is None:  # no C library: the same plan with numpy
         entries = sort_entries(replica_ids().numpy(), topk_ids.numpy(), tables.slot_owner)
         weights = topk_weights.float().reshape(-1)[torch.from_numpy(entries.order)]
         return entries, weights, split_by_worker(entries, tables.slot_owner, num_tokens)
-    plan = moe_dispatch.plan_dispatch(lib, tables, topk_ids.long().contiguous(), topk_weights.float().contiguous())
     batches = [
         WorkerBatch(
             worker=worker,

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from moemesh import kernels
 from moemesh.contracts.placement import Placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import CompletedExperts, ExpertExecutor, ExpertHandle, ExpertPlacement
@@ -50,7 +51,6 @@ from moemesh.expert.client.dispatch_plan import WorkerBatch, gather_rows, group_
 from moemesh.expert.protocol.call import ExpertRequest
 from moemesh.expert.protocol.wire import WireError
 from moemesh.expert.transports.base import ExpertCallError, ExpertTransport
-from moemesh.kernels import moe_dispatch
 
 
 class RemotePlacement(ExpertPlacement):
@@ -63,14 +63,14 @@ class RemotePlacement(ExpertPlacement):
         self.phy2log_np = np.array(placement.phy2log)  # [num_layers, num_slots]
         self.log2phy_np = np.array(placement.log2phy)  # [num_layers, num_experts, max_replicas]
         self.replica_counts_np = np.array(placement.replica_counts)  # [num_layers, num_experts]
-        self._layer_tables: dict[int, moe_dispatch.LayerTables] = {}
+        self._layer_tables: dict[int, kernels.LayerTables] = {}
 
-    def layer_tables(self, layer: int) -> moe_dispatch.LayerTables:
+    def layer_tables(self, layer: int) -> kernels.LayerTables:
         """The layer as the dispatch planner reads it (built on first use)."""
         tables = self._layer_tables.get(layer)
         if tables is None:
             log2phy = None if self.is_identity else self.log2phy_np[layer]
-            tables = moe_dispatch.LayerTables.build(log2phy, self.replica_counts_np[layer], self.slot_owner)
+            tables = kernels.LayerTables.build(log2phy, self.replica_counts_np[layer], self.slot_owner)
             self._layer_tables[layer] = tables
         return tables
 
@@ -127,7 +127,7 @@ class RemoteExpertExecutor(ExpertExecutor):
         self.num_bytes_received = 0
         self.compute_s = 0.0  # per layer the slowest worker's compute, summed (the rest is dispatch overhead)
         self._num_in_flight = 0  # submitted, not yet waited handles
-        moe_dispatch.library()  # built (or found in its cache) now, not in the first MoE layer
+        kernels.build_expert_dispatch_kernel()  # built (or found in its cache) now, not in the first MoE layer
 
     # -- the worker, between steps ---------------------------------------------------------
     def set_placement(self, placement: ExpertPlacement) -> None:

@@ -28,10 +28,10 @@ import grpc
 import numpy as np
 import torch
 
+from moemesh import kernels
 from moemesh.expert.protocol.call import CallError, ExpertReply, ExpertRequest, reply_to_proto, request_from_proto
 from moemesh.expert.protocol.wire import WireError
 from moemesh.expert.server.replicas import HostedVersion, ReplicaStore
-from moemesh.kernels import cpu_moe, moe_dispatch
 from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 from moemesh.runtime.metrics import ExpertMetrics
 
@@ -68,7 +68,7 @@ def _out_of(values: np.ndarray, low: int, high: int) -> bool:
 
 def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
     """The compute inputs of a request, or CallError. This runs on the dispatch path of each MoE
-    layer: the groups and row ids are checked in one C pass (kernels/moe_dispatch.c) where it is
+    layer: the groups and row ids are checked in one C pass (kernels/csrc/moe_dispatch.c) where it is
     built; the numpy checks (`_check_groups`) name what is wrong, and are the path without it."""
     hosted = store.get(request.placement_version)
     if hosted is None:
@@ -88,11 +88,9 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"group_slots, group_experts and group_rows must have one value per group, got "
                         f"{slots.size}, {experts.size} and {sizes.size}")  # fmt: skip
-    lib = moe_dispatch.library()
-    checked = None
-    if lib is not None:  # one C pass; what it finds wrong, the numpy checks below name
-        checked = moe_dispatch.check_groups(lib, slots, experts, sizes, request.row_ids, x.shape[0], hosted.local_index,
-                                            hosted.placement.phy2log[request.layer])  # fmt: skip
+    # one C pass (None without the C library); what it finds wrong, the numpy checks below name
+    phy2log, num_rows = hosted.placement.phy2log[request.layer], x.shape[0]
+    checked = kernels.check_expert_groups(slots, experts, sizes, request.row_ids, num_rows, hosted.local_index, phy2log)
     if checked is None or isinstance(checked[0], str):
         checked = _check_groups(store, hosted, request)
     group_local, group_rows, row_ids = checked
@@ -180,8 +178,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.data_plane = None  # dist_server.DistDataPlane of the torch-dist transport, set by the worker
         self.socket_plane = None  # socket_server.SocketDataPlane of the socket transport, set by the worker
         self._closing = asyncio.Event()
-        moe_dispatch.library()  # the request checks' C pass, built now rather than on the first request
-        cpu_moe.library()  # and the CPU expert kernel (kernels/cpu_moe.c)
+        kernels.build_expert_dispatch_kernel()  # the request checks' C pass, built now rather than on the first request
+        kernels.build_grouped_moe_kernel()  # and the CPU expert kernel
 
     async def RunExperts(self, request: expert_pb2.RunExpertsRequest, context: grpc.aio.ServicerContext):
         try:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from moemesh import kernels
 from moemesh.contracts.placement import Placement, make_placement
 from moemesh.engine.errors import ExpertUnavailableError
 from moemesh.engine.layers.expert_executor import ExpertPlacement, LocalExpertExecutor
@@ -20,7 +21,6 @@ from moemesh.expert.client.remote_executor import RemoteExpertExecutor, RemotePl
 from moemesh.expert.protocol.call import ExpertRequest, request_from_proto, request_to_proto
 from moemesh.expert.protocol.wire import tensor_to_proto
 from moemesh.expert.server.servicer import CallError, ExpertServicer, decode_request, parse_call
-from moemesh.kernels import moe_dispatch
 from moemesh.proto.v1 import expert_pb2
 
 from .loopback import LoopbackTransport, random_experts
@@ -67,10 +67,12 @@ def close(dtype) -> dict:
 
 @pytest.fixture(params=["C", "numpy"])
 def dispatch_path(request, monkeypatch):
-    """The dispatch plan and the worker's checks in C (moe_dispatch.c), or with numpy (no compiler)."""
+    """The dispatch plan and the worker's checks in C (kernels/csrc/moe_dispatch.c), or with numpy (no
+    compiler: the front door answers None)."""
     if request.param == "numpy":
-        monkeypatch.setattr(moe_dispatch, "library", lambda: None)
-    elif moe_dispatch.library() is None:
+        monkeypatch.setattr(kernels, "plan_expert_dispatch", lambda *a: None)
+        monkeypatch.setattr(kernels, "check_expert_groups", lambda *a: None)
+    elif not kernels.build_expert_dispatch_kernel():
         pytest.skip("no C compiler")
     return request.param
 

@@ -1,5 +1,5 @@
 /* GGUF's 4- and 8-bit weights in row blocks ("code blocks") with their exact scales: the GEMV (a
- * few rows of x), the GEMM (more rows) and the row gather, shared by group_gemv.c and cpu_ops.c.
+ * few rows of x), the GEMM (more rows) and the row gather, shared by group_gemv.c and llama_decode.c.
  *
  * Layout, per block of `block_n` output rows, per column k:
  *   bits 4: block_n / 2 bytes, byte j holding row j in its low and row block_n / 2 + j in its high
@@ -13,7 +13,7 @@
  * applied with one vector multiply-add per lane block, and no row ends in a horizontal sum
  * (SmolLM2's projections at one row, float32, one thread: 8.2 -> 5.5 ms a token).
  *
- * Vector loops run for block_n == 4 * CB_LANES (64 with AVX-512, 32 with AVX2 + FMA), scalar
+ * Vector loops run for block_n == 4 * SIMD_LANES (64 with AVX-512, 32 with AVX2 + FMA), scalar
  * loops for any other even block_n. Float32 sums with fused multiply-adds. */
 #ifndef MOEMESH_CODE_BLOCKS_H
 #define MOEMESH_CODE_BLOCKS_H
@@ -22,67 +22,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#if defined(__AVX512F__)
-#define CB_LANES 16
-#define CB_VEC __m512
-#define CB_ZERO() _mm512_setzero_ps()
-#define CB_SET1(v) _mm512_set1_ps(v)
-#define CB_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define CB_ADD(a, b) _mm512_add_ps(a, b)
-#define CB_LOAD(p) _mm512_loadu_ps(p)
-#define CB_STORE(p, v) _mm512_storeu_ps(p, v)
-#define CB_BYTES(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define CB_TABLE _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-#define CB_LOW(b) _mm512_permutexvar_ps(b, CB_TABLE) /* the permute reads each lane's low 4 bits */
-#define CB_HIGH(b) _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), CB_TABLE)
-#define CB_SBYTES(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define CB_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define CB_HAS_HALVES 1
-#else
-#define CB_LANES 8
-#define CB_VEC __m256
-#define CB_ZERO() _mm256_setzero_ps()
-#define CB_SET1(v) _mm256_set1_ps(v)
-#define CB_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define CB_ADD(a, b) _mm256_add_ps(a, b)
-#define CB_LOAD(p) _mm256_loadu_ps(p)
-#define CB_STORE(p, v) _mm256_storeu_ps(p, v)
-#define CB_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define CB_LOW(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)))
-#define CB_HIGH(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
-#define CB_SBYTES(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#if defined(__F16C__)
-#define CB_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define CB_HAS_HALVES 1
-#endif
-#endif
-#endif
+#include "simd.h"
 
 /* the entry points: static in each including file, which may use only some of them */
 #define CB_API static __attribute__((unused))
-
-static inline float cb_half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F)
-        bits = sign | 0x7F800000 | (man << 13);
-    else if (exp)
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (man) { /* subnormal: renormalize */
-        exp = 113;
-        while (!(man & 0x400)) man <<= 1, exp--;
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    } else
-        bits = sign;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
 
 /* count scales from p[at...] (float16 or float32) into dst as float32 */
 static inline void cb_scales(const void *p, int64_t at, int half, float *dst, int64_t count) {
@@ -92,10 +35,10 @@ static inline void cb_scales(const void *p, int64_t at, int half, float *dst, in
     }
     const uint16_t *h = (const uint16_t *)p + at;
     int64_t j = 0;
-#ifdef CB_HAS_HALVES
-    for (; j + CB_LANES <= count; j += CB_LANES) CB_STORE(dst + j, CB_HALVES(h + j));
+#ifdef SIMD_HAS_HALF
+    for (; j + SIMD_LANES <= count; j += SIMD_LANES) simd_store(dst + j, simd_load_half(h + j));
 #endif
-    for (; j < count; j++) dst[j] = cb_half_to_float(h[j]);
+    for (; j < count; j++) dst[j] = half_to_float(h[j]);
 }
 
 /* the shapes every entry point checks: 0 if usable */
@@ -118,56 +61,58 @@ static inline float cb_code(const uint8_t *column, int bits, int64_t j, int64_t 
     return (float)(j < block_n / 2 ? column[j] & 0x0F : column[j - block_n / 2] >> 4);
 }
 
-#ifdef CB_LANES
-/* the 4 vectors of weights codes of one column of a block of 4 * CB_LANES rows, rows i * CB_LANES ..;
- * `bits` a constant where inlined */
-static inline __attribute__((always_inline)) void cb_column(const uint8_t *b, const int bits, CB_VEC w[4]) {
+#ifdef SIMD_LANES
+/* the 4 vectors of weights codes of one column of a block of 4 * SIMD_LANES rows, rows
+ * i * SIMD_LANES ..; `bits` a constant where inlined */
+static inline __attribute__((always_inline)) void cb_column(const uint8_t *b, const int bits, simd_f32 w[4]) {
     if (bits == 8) {
-        for (int i = 0; i < 4; i++) w[i] = CB_SBYTES(b + i * CB_LANES);
+        for (int i = 0; i < 4; i++) w[i] = simd_load_i8((const int8_t *)(b + i * SIMD_LANES));
         return;
     }
-    __typeof__(CB_BYTES(b)) b0 = CB_BYTES(b), b1 = CB_BYTES(b + CB_LANES);
-    w[0] = CB_LOW(b0), w[1] = CB_LOW(b1), w[2] = CB_HIGH(b0), w[3] = CB_HIGH(b1);
+    simd_i32 b0 = simd_load_u8(b), b1 = simd_load_u8(b + SIMD_LANES);
+    w[0] = simd_low_nibbles(b0, 0), w[1] = simd_low_nibbles(b1, 0);
+    w[2] = simd_high_nibbles(b0, 0), w[3] = simd_high_nibbles(b1, 0);
 }
 
-/* cb_gemv_block's vector loop for blocks of 4 * CB_LANES rows, `bits` a constant where inlined */
+/* cb_gemv_block's vector loop for blocks of 4 * SIMD_LANES rows, `bits` a constant where inlined */
 static inline __attribute__((always_inline)) void cb_gemv_block_vector(const uint8_t *block, const int bits,
                                                                        const void *scale, const void *mins, int half,
                                                                        int64_t n, int64_t k, int64_t group,
                                                                        const float *x, const float *xsum, float *y,
                                                                        int64_t nb) {
-    const int64_t block_n = 4 * CB_LANES, stride = cb_column_bytes(bits, block_n);
-    float s[4 * CB_LANES], m[4 * CB_LANES];
-    CB_VEC acc[4] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
+    const int64_t block_n = 4 * SIMD_LANES, stride = cb_column_bytes(bits, block_n);
+    float s[4 * SIMD_LANES], m[4 * SIMD_LANES];
+    simd_f32 acc[4] = {simd_zero(), simd_zero(), simd_zero(), simd_zero()};
     for (int64_t g = 0; g < k / group; g++) {
         /* two columns at a time into two sets of sums: eight independent multiply-add chains */
-        CB_VEC p[8] = {CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO(), CB_ZERO()};
-        CB_VEC w0[4], w1[4];
+        simd_f32 p[8];
+        for (int i = 0; i < 8; i++) p[i] = simd_zero();
+        simd_f32 w0[4], w1[4];
         int64_t kk = g * group, stop = kk + group;
         for (; kk + 1 < stop; kk += 2) {
             const uint8_t *b = block + kk * stride;
-            CB_VEC x0 = CB_SET1(x[kk]), x1 = CB_SET1(x[kk + 1]);
+            simd_f32 x0 = simd_set1(x[kk]), x1 = simd_set1(x[kk + 1]);
             cb_column(b, bits, w0);
             cb_column(b + stride, bits, w1);
             for (int i = 0; i < 4; i++) {
-                p[i] = CB_FMA(x0, w0[i], p[i]);
-                p[i + 4] = CB_FMA(x1, w1[i], p[i + 4]);
+                p[i] = simd_fma(x0, w0[i], p[i]);
+                p[i + 4] = simd_fma(x1, w1[i], p[i + 4]);
             }
         }
         if (kk < stop) { /* an odd group */
-            CB_VEC x0 = CB_SET1(x[kk]);
+            simd_f32 x0 = simd_set1(x[kk]);
             cb_column(block + kk * stride, bits, w0);
-            for (int i = 0; i < 4; i++) p[i] = CB_FMA(x0, w0[i], p[i]);
+            for (int i = 0; i < 4; i++) p[i] = simd_fma(x0, w0[i], p[i]);
         }
         cb_scales(scale, g * n + nb, half, s, block_n);
         if (mins) cb_scales(mins, g * n + nb, half, m, block_n);
-        CB_VEC xs = CB_SET1(mins ? xsum[g] : 0.0f);
+        simd_f32 xs = simd_set1(mins ? xsum[g] : 0.0f);
         for (int i = 0; i < 4; i++) {
-            acc[i] = CB_FMA(CB_LOAD(s + i * CB_LANES), CB_ADD(p[i], p[i + 4]), acc[i]);
-            if (mins) acc[i] = CB_FMA(CB_LOAD(m + i * CB_LANES), xs, acc[i]);
+            acc[i] = simd_fma(simd_load(s + i * SIMD_LANES), simd_add(p[i], p[i + 4]), acc[i]);
+            if (mins) acc[i] = simd_fma(simd_load(m + i * SIMD_LANES), xs, acc[i]);
         }
     }
-    for (int i = 0; i < 4; i++) CB_STORE(y + nb + i * CB_LANES, acc[i]);
+    for (int i = 0; i < 4; i++) simd_store(y + nb + i * SIMD_LANES, acc[i]);
 }
 #endif
 
@@ -179,8 +124,8 @@ static void cb_gemv_block(const uint8_t *packed, int bits, const void *scale, co
     const uint8_t *block = cb_block(packed, bits, k, nb);
     int64_t groups = k / group, stride = cb_column_bytes(bits, block_n);
     float s[256], m[256];
-#ifdef CB_LANES
-    if (block_n == 4 * CB_LANES) { /* the vector loop, specialized for each width */
+#ifdef SIMD_LANES
+    if (block_n == 4 * SIMD_LANES) { /* the vector loop, specialized for each width */
         if (bits == 8)
             cb_gemv_block_vector(block, 8, scale, mins, half, n, k, group, x, xsum, y, nb);
         else
@@ -222,10 +167,12 @@ CB_API int cb_gemv(const uint8_t *packed, int bits, const void *scale, const voi
 
 /* W^T of one block of rows (nb .. nb + block_n) for columns [k_begin, k_end): column kk's block_n
  * weights at out + (kk - k_begin) * ld, float32: w = scale * q + min, one rounding (a fused
- * multiply-add; exactly GGUF's value where scale * q is exact, as for its own scales). */
+ * multiply-add; exactly GGUF's value where scale * q is exact, as for its own scales). `normal`
+ * (NULL: not asked) is cleared where the scales could give a subnormal or NaN weight (simd.h's
+ * any_unsafe_scale). */
 static void cb_dequantize_block(const uint8_t *packed, int bits, const void *scale, const void *mins, int half,
                                 int64_t n, int64_t k, int64_t group, int64_t block_n, int64_t nb, int64_t k_begin,
-                                int64_t k_end, float *out, int64_t ld) {
+                                int64_t k_end, float *out, int64_t ld, int *normal) {
     const uint8_t *block = cb_block(packed, bits, k, nb);
     int64_t stride = cb_column_bytes(bits, block_n);
     float s[256], m[256];
@@ -236,21 +183,24 @@ static void cb_dequantize_block(const uint8_t *packed, int bits, const void *sca
             cb_scales(mins, g * n + nb, half, m, block_n);
         else
             memset(m, 0, (size_t)block_n * sizeof(float));
+        if (normal) *normal &= !any_unsafe_scale(s, block_n) && !any_unsafe_scale(m, block_n);
         for (; kk < stop; kk++) {
             const uint8_t *b = block + kk * stride;
             float *o = out + (kk - k_begin) * ld;
-#ifdef CB_LANES
-            if (bits == 8 && block_n % CB_LANES == 0) {
-                for (int64_t j = 0; j < block_n; j += CB_LANES)
-                    CB_STORE(o + j, CB_FMA(CB_SBYTES(b + j), CB_LOAD(s + j), CB_LOAD(m + j)));
+#ifdef SIMD_LANES
+            if (bits == 8 && block_n % SIMD_LANES == 0) {
+                for (int64_t j = 0; j < block_n; j += SIMD_LANES)
+                    simd_store(o + j,
+                               simd_fma(simd_load_i8((const int8_t *)(b + j)), simd_load(s + j), simd_load(m + j)));
                 continue;
             }
             int64_t half_n = block_n / 2;
-            if (bits == 4 && half_n % CB_LANES == 0) {
-                for (int64_t j = 0; j < half_n; j += CB_LANES) {
-                    __typeof__(CB_BYTES(b)) q = CB_BYTES(b + j);
-                    CB_STORE(o + j, CB_FMA(CB_LOW(q), CB_LOAD(s + j), CB_LOAD(m + j)));
-                    CB_STORE(o + half_n + j, CB_FMA(CB_HIGH(q), CB_LOAD(s + half_n + j), CB_LOAD(m + half_n + j)));
+            if (bits == 4 && half_n % SIMD_LANES == 0) {
+                for (int64_t j = 0; j < half_n; j += SIMD_LANES) {
+                    simd_i32 q = simd_load_u8(b + j);
+                    simd_store(o + j, simd_fma(simd_low_nibbles(q, 0), simd_load(s + j), simd_load(m + j)));
+                    simd_store(o + half_n + j,
+                               simd_fma(simd_high_nibbles(q, 0), simd_load(s + half_n + j), simd_load(m + half_n + j)));
                 }
                 continue;
             }
@@ -267,30 +217,31 @@ static void cb_dequantize_block(const uint8_t *packed, int bits, const void *sca
  * packed again by a BLAS (SmolLM2's projections at 64 rows, float32, one thread: 136 against
  * 194 ms for 30 layers of rebuild + MKL). Sums in float32, column by column (k ascending). */
 #define CB_KC 128
-#ifdef CB_LANES
-#if CB_LANES == 16
+#ifdef SIMD_LANES
+#if SIMD_LANES == 16
 #define CB_ROWS 6
 #else
 #define CB_ROWS 3
 #endif
 
-/* rows r < R of y[.., 0 .. 4 * CB_LANES) += x[r, 0 .. kc) . panel (set, not added, when `first`) */
-#define CB_TILE(R)                                                                                                  \
-    static inline void cb_tile_##R(const float *x, int64_t ldx, const float *panel, int64_t kc, float *y,            \
-                                   int64_t ldy, int first) {                                                        \
-        CB_VEC acc[R][4];                                                                                           \
-        for (int r = 0; r < R; r++)                                                                                 \
-            for (int j = 0; j < 4; j++) acc[r][j] = first ? CB_ZERO() : CB_LOAD(y + r * ldy + j * CB_LANES);         \
-        for (int64_t kk = 0; kk < kc; kk++) {                                                                       \
-            const float *p = panel + kk * 4 * CB_LANES;                                                             \
-            CB_VEC w[4] = {CB_LOAD(p), CB_LOAD(p + CB_LANES), CB_LOAD(p + 2 * CB_LANES), CB_LOAD(p + 3 * CB_LANES)}; \
-            for (int r = 0; r < R; r++) { /* one broadcast register: 4 * R sums + 5 fit the 32 (16) registers */     \
-                CB_VEC xr = CB_SET1(x[r * ldx + kk]);                                                               \
-                for (int j = 0; j < 4; j++) acc[r][j] = CB_FMA(xr, w[j], acc[r][j]);                                \
-            }                                                                                                       \
-        }                                                                                                           \
-        for (int r = 0; r < R; r++)                                                                                 \
-            for (int j = 0; j < 4; j++) CB_STORE(y + r * ldy + j * CB_LANES, acc[r][j]);                            \
+/* rows r < R of y[.., 0 .. 4 * SIMD_LANES) += x[r, 0 .. kc) . panel (set, not added, when `first`) */
+#define CB_TILE(R)                                                                                          \
+    static inline void cb_tile_##R(const float *x, int64_t ldx, const float *panel, int64_t kc, float *y,    \
+                                   int64_t ldy, int first) {                                                \
+        simd_f32 acc[R][4];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int j = 0; j < 4; j++) acc[r][j] = first ? simd_zero() : simd_load(y + r * ldy + j * SIMD_LANES); \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                               \
+            const float *p = panel + kk * 4 * SIMD_LANES;                                                   \
+            simd_f32 w[4];                                                                                  \
+            for (int j = 0; j < 4; j++) w[j] = simd_load(p + j * SIMD_LANES);                               \
+            for (int r = 0; r < R; r++) { /* one broadcast register: 4 * R sums + 5 fit the 32 (16) registers */ \
+                simd_f32 xr = simd_set1(x[r * ldx + kk]);                                                   \
+                for (int j = 0; j < 4; j++) acc[r][j] = simd_fma(xr, w[j], acc[r][j]);                      \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int j = 0; j < 4; j++) simd_store(y + r * ldy + j * SIMD_LANES, acc[r][j]);                \
     }
 CB_TILE(1)
 CB_TILE(2)
@@ -318,7 +269,7 @@ static inline void cb_tile(int rows, const float *x, int64_t ldx, const float *p
 #endif
 
 /* y [M, N] = x [M, K] W^T for rows [begin, end) of W (multiples of block_n): the vector tiles for
- * block_n = 4 * CB_LANES, a scalar loop over the same panels otherwise. Returns 0, or -1 for
+ * block_n = 4 * SIMD_LANES, a scalar loop over the same panels otherwise. Returns 0, or -1 for
  * shapes it does not take. */
 CB_API int cb_gemm(const uint8_t *packed, int bits, const void *scale, const void *mins, int half, const float *x,
                    float *y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block_n, int64_t begin,
@@ -328,16 +279,17 @@ CB_API int cb_gemm(const uint8_t *packed, int bits, const void *scale, const voi
         return -1;
     float panel[CB_KC * 64] __attribute__((aligned(64))); /* columns of one block: CB_KC with 64 rows */
     int64_t kc_max = CB_KC * 64 / block_n;
-#ifdef CB_LANES
-    int vector = block_n == 4 * CB_LANES;
+#ifdef SIMD_LANES
+    int vector = block_n == 4 * SIMD_LANES;
 #else
     int vector = 0;
 #endif
     for (int64_t nb = begin; nb < end; nb += block_n)
         for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
             int64_t kc = k - k0 < kc_max ? k - k0 : kc_max;
-            cb_dequantize_block(packed, bits, scale, mins, half, n, k, group, block_n, nb, k0, k0 + kc, panel, block_n);
-#ifdef CB_LANES
+            cb_dequantize_block(packed, bits, scale, mins, half, n, k, group, block_n, nb, k0, k0 + kc, panel, block_n,
+                                NULL);
+#ifdef SIMD_LANES
             if (vector) {
                 for (int64_t i = 0; i < m; i += CB_ROWS) {
                     int rows = m - i < CB_ROWS ? (int)(m - i) : CB_ROWS;
@@ -361,14 +313,15 @@ CB_API int cb_gemm(const uint8_t *packed, int bits, const void *scale, const voi
  * bfloat16 copy of the weight would be) and interleaved in column pairs, multiplied with
  * vdpbf16ps (two products per float32 lane and instruction: twice the float32 tile's rate) into
  * float32 sums. */
-#if defined(__AVX512BF16__) && defined(CB_LANES) && CB_LANES == 16
+#if defined(__AVX512BF16__) && defined(SIMD_LANES) && SIMD_LANES == 16
 #define CB_BF16_GEMM 1
 
-/* lane j: bf16(lo[j]) in the low half, bf16(hi[j]) in the high half (round to nearest even) */
-static inline __m512i cb_bf16_pairs(__m512 lo, __m512 hi) {
-    __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-    __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-    return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+/* lane j: bf16(lo[j]) in the low half, bf16(hi[j]) in the high half (simd.h's rounding; `normal`:
+ * no lane is subnormal or NaN) */
+static inline __m512i cb_bf16_pairs(__m512 lo, __m512 hi, int normal) {
+    __m512i low = normal ? simd_bf16_bits_normal(lo) : simd_bf16_bits(lo);
+    __m512i high = normal ? simd_bf16_bits_normal(hi) : simd_bf16_bits(hi);
+    return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
 }
 
 /* rows r < R of y[.., 0 .. 64) += x[r, 0 .. 2 * pairs) . panel (set when `first`); x bfloat16 */
@@ -426,11 +379,13 @@ CB_API int cb_gemm_bf16(const uint8_t *packed, int bits, const void *scale, cons
     for (int64_t nb = begin; nb < end; nb += block_n)
         for (int64_t k0 = 0; k0 < k; k0 += CB_KC) {
             int64_t kc = k - k0 < CB_KC ? k - k0 : CB_KC; /* even: k and CB_KC are */
-            cb_dequantize_block(packed, bits, scale, mins, half, n, k, group, block_n, nb, k0, k0 + kc, weights, 64);
+            int normal = 1;
+            cb_dequantize_block(packed, bits, scale, mins, half, n, k, group, block_n, nb, k0, k0 + kc, weights, 64,
+                                &normal);
             for (int64_t p = 0; p < kc / 2; p++)
                 for (int j = 0; j < 4; j++)
                     panel[p * 4 + j] = cb_bf16_pairs(_mm512_load_ps(weights + 2 * p * 64 + j * 16),
-                                                     _mm512_load_ps(weights + (2 * p + 1) * 64 + j * 16));
+                                                     _mm512_load_ps(weights + (2 * p + 1) * 64 + j * 16), normal);
             for (int64_t i = 0; i < m; i += 6) {
                 int rows = m - i < 6 ? (int)(m - i) : 6;
                 cb_tile_bf16(rows, x + i * k + k0, k, panel, kc / 2, y + i * n + nb, n, k0 == 0);

@@ -28,55 +28,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define CHUNK 4 /* rows of x per pass over a weight row (8 measured no faster) */
 
-#if defined(__AVX512F__)
-#define LANES 16
-#define VEC __m512
-#define ZERO() _mm512_setzero_ps()
-#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-/* the sums of a, b, c and d's lanes, in that order: their reductions share the shuffles */
-static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0 b0 a1 b1 per 128 bits */
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2))); /* a b c d per 128 bits */
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
+#ifdef SIMD_LANES
 /* res[0:mc] = the lane sums of acc[0:mc] (mc <= 4). Each sum is added in the same order whatever
  * its position and mc: an entry's result does not depend on how many rows share its expert (one
  * micro-batch or two give the same bits) */
-static inline __attribute__((always_inline)) void hsums(const __m512 *acc, float *res, const int mc) {
-    __m512 zero = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void hsums(const simd_f32 *acc, float *res, const int mc) {
+    simd_f32 zero = simd_zero();
     float sums[4];
-    _mm_storeu_ps(sums, hsum4(acc[0], mc > 1 ? acc[1] : zero, mc > 2 ? acc[2] : zero, mc > 3 ? acc[3] : zero));
+    simd_hsum4(acc[0], mc > 1 ? acc[1] : zero, mc > 2 ? acc[2] : zero, mc > 3 ? acc[3] : zero, sums);
     for (int m = 0; m < mc; m++) res[m] = sums[m];
 }
-#define LOAD_F32(p) _mm512_loadu_ps(p)
-#define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#elif defined(__AVX2__) && defined(__FMA__)
-#define LANES 8
-#define VEC __m256
-#define ZERO() _mm256_setzero_ps()
-#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-/* res[0:mc] = the lane sums of acc[0:mc] */
-static inline __attribute__((always_inline)) void hsums(const __m256 *acc, float *res, const int mc) {
-    for (int m = 0; m < mc; m++) res[m] = hsum8(acc[m]);
-}
-#define LOAD_F32(p) _mm256_loadu_ps(p)
-#define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 /* res[m] = dot(w[0:k], x[m][0:k]) for m < mc, in float32. (Two weight rows per pass, each x
@@ -97,16 +62,16 @@ static inline __attribute__((always_inline)) void dot_rows(const void *w, const 
         return;
     }
 #endif
-#ifdef LANES
-    VEC acc[CHUNK];
-    for (int m = 0; m < mc; m++) acc[m] = ZERO();
-    for (int64_t i = 0; i < k; i += LANES) {
+#ifdef SIMD_LANES
+    simd_f32 acc[CHUNK];
+    for (int m = 0; m < mc; m++) acc[m] = simd_zero();
+    for (int64_t i = 0; i < k; i += SIMD_LANES) {
         if (bf16) {
-            VEC wv = LOAD_BF16((const uint16_t *)w + i);
-            for (int m = 0; m < mc; m++) acc[m] = FMA(LOAD_BF16((const uint16_t *)x[m] + i), wv, acc[m]);
+            simd_f32 wv = simd_load_bf16((const uint16_t *)w + i);
+            for (int m = 0; m < mc; m++) acc[m] = simd_fma(simd_load_bf16((const uint16_t *)x[m] + i), wv, acc[m]);
         } else {
-            VEC wv = LOAD_F32((const float *)w + i);
-            for (int m = 0; m < mc; m++) acc[m] = FMA(LOAD_F32((const float *)x[m] + i), wv, acc[m]);
+            simd_f32 wv = simd_load((const float *)w + i);
+            for (int m = 0; m < mc; m++) acc[m] = simd_fma(simd_load((const float *)x[m] + i), wv, acc[m]);
         }
     }
     hsums(acc, res, mc);
@@ -143,7 +108,7 @@ static void dots(const void *w, const void *const *x, float *res, int64_t k, int
 #undef DOTS_CASE
 }
 
-static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_round(v) : v; }
 
 static inline const void *row_at(const void *base, int64_t row, int64_t stride, int bf16) {
     return bf16 ? (const void *)((const uint16_t *)base + row * stride) : (const void *)((const float *)base + row * stride);
@@ -226,13 +191,19 @@ int grouped_moe(const void *x, int64_t x_stride, int64_t num_rows, const void *w
         return -2;
     }
     int parts = threads > 1 ? threads : 1;
+#ifdef _OPENMP /* without it the parts run one after another (c_parts.h) */
 #pragma omp parallel num_threads(parts)
+#endif
     {
+#ifdef _OPENMP
 #pragma omp for schedule(static, 1)
+#endif
         for (int p = 0; p < parts; p++)
             gate_up_rows(x, x_stride, w13, hidden, inter, row_ids, experts, sizes, starts, num_groups, act, bf16,
                          inter * p / parts, inter * (p + 1) / parts);
+#ifdef _OPENMP
 #pragma omp for schedule(static, 1)
+#endif
         for (int p = 0; p < parts; p++)
             down_cols(act, w2, hidden, inter, row_ids, experts, sizes, starts, num_groups, weights, out, bf16,
                       hidden * p / parts, hidden * (p + 1) / parts);

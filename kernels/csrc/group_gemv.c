@@ -14,24 +14,21 @@
  * A third layout, 4-bit codes in row blocks with group-major scales (code_blocks.h), has its GEMV,
  * GEMM and row gather exported here as blocks_*.
  *
- * Built with -march=native: AVX-512 or AVX2 where the compiler targets them, a scalar loop otherwise.
+ * Vector loops where the build has simd.h's vectors (AVX-512, AVX2 + FMA), scalar loops otherwise.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
 #include "c_parts.h"
 #include "code_blocks.h"
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define MAX_M 8
 
-/* a float16 (half) or float32 scale (cb_half_to_float: code_blocks.h) */
+/* a float16 (half) or float32 scale */
 static inline float load_scale(const void *p, int64_t i, int half) {
-    return half ? cb_half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* code j of a row in either layout */
@@ -41,8 +38,9 @@ static inline float code_at(const uint8_t *row, int64_t j, int nibbles) {
     return (float)((j % 32) < 16 ? (b & 0x0F) : (b >> 4));
 }
 
+/* any group and layout; the mins' terms read the caller's group sums, as rows_vector does */
 static void rows_scalar(const uint8_t *codes, int nibbles, const void *scale, const void *mins, int half,
-                        const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                        const float *x, const float *xsum, float *y, int64_t m, int64_t n, int64_t k, int64_t group,
                         int64_t row_begin, int64_t row_end) {
     int64_t num_groups = k / group, row_bytes = nibbles ? k / 2 : k;
     for (int64_t r = row_begin; r < row_end; r++) {
@@ -51,63 +49,24 @@ static void rows_scalar(const uint8_t *codes, int nibbles, const void *scale, co
             const float *xi = x + i * k;
             float acc = 0.0f;
             for (int64_t g = 0; g < num_groups; g++) {
-                float dot = 0.0f, sum = 0.0f;
-                for (int64_t j = g * group; j < (g + 1) * group; j++) {
-                    dot += code_at(c, j, nibbles) * xi[j];
-                    sum += xi[j];
-                }
+                float dot = 0.0f;
+                for (int64_t j = g * group; j < (g + 1) * group; j++) dot += code_at(c, j, nibbles) * xi[j];
                 acc += load_scale(scale, r * num_groups + g, half) * dot;
-                if (mins) acc += load_scale(mins, r * num_groups + g, half) * sum;
+                if (mins) acc += load_scale(mins, r * num_groups + g, half) * xsum[i * num_groups + g];
             }
             y[i * n + r] = acc;
         }
     }
 }
 
-#if defined(__AVX512F__)
-#define LANES 16
-#define VEC __m512
-#define ZERO() _mm512_setzero_ps()
-#define LOAD(p) _mm512_loadu_ps(p)
-#define MUL(a, b) _mm512_mul_ps(a, b)
-#define ADD(a, b) _mm512_add_ps(a, b)
-#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define SET1(s) _mm512_set1_ps(s)
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-static inline __m512 widen_i8(const int8_t *p) { /* 16 codes */
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#ifdef SIMD_LANES
+/* SIMD_LANES bytes of nibble codes: their low and their high nibbles, minus `offset`, as floats */
+static inline void widen_nibbles(const uint8_t *p, int offset, simd_f32 *low, simd_f32 *high) {
+    simd_i32 b = simd_load_u8(p);
+    *low = simd_low_nibbles(b, offset);
+    *high = simd_high_nibbles(b, offset);
 }
-static inline void widen_nibbles(const uint8_t *p, __m512 *low, __m512 *high) { /* 16 bytes: 32 codes */
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
-    *high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-#elif defined(__AVX2__)
-#define LANES 8
-#define VEC __m256
-#define ZERO() _mm256_setzero_ps()
-#define LOAD(p) _mm256_loadu_ps(p)
-#define MUL(a, b) _mm256_mul_ps(a, b)
-#define ADD(a, b) _mm256_add_ps(a, b)
-#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define SET1(s) _mm256_set1_ps(s)
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline __m256 widen_i8(const int8_t *p) { /* 8 codes */
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-static inline void widen_nibbles(const uint8_t *p, __m256 *low, __m256 *high) { /* 8 bytes: 16 codes */
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
-    *high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-#endif
 
-#ifdef LANES
 /* Inlined with constant m, group and layout (the dispatch below), so that the loops unroll and the
  * accumulators stay in registers. Group sums of x (for the mins) are taken once per call. */
 static inline __attribute__((always_inline)) void rows_vector(const uint8_t *codes, const int nibbles,
@@ -119,42 +78,42 @@ static inline __attribute__((always_inline)) void rows_vector(const uint8_t *cod
     int64_t num_groups = k / group, row_bytes = nibbles ? k / 2 : k;
     for (int64_t r = row_begin; r < row_end; r++) {
         const uint8_t *c = codes + r * row_bytes;
-        VEC acc[MAX_M];
+        simd_f32 acc[MAX_M];
         float tail[MAX_M];
-        for (int64_t i = 0; i < m; i++) acc[i] = ZERO(), tail[i] = 0.0f;
+        for (int64_t i = 0; i < m; i++) acc[i] = simd_zero(), tail[i] = 0.0f;
         for (int64_t g = 0; g < num_groups; g++) {
             const float *xg = x + g * group;
-            VEC sg = SET1(load_scale(scale, r * num_groups + g, half));
-            VEC part[MAX_M];
+            simd_f32 sg = simd_set1(load_scale(scale, r * num_groups + g, half));
+            simd_f32 part[MAX_M];
             if (nibbles) { /* group is a multiple of 32: 16 bytes per 32 columns */
                 const uint8_t *cg = c + g * group / 2;
                 for (int64_t j = 0; j < group; j += 32) {
-                    for (int64_t h = 0; h < 16; h += LANES) {
-                        VEC low, high;
-                        widen_nibbles(cg + j / 2 + h, &low, &high);
+                    for (int64_t h = 0; h < 16; h += SIMD_LANES) {
+                        simd_f32 low, high;
+                        widen_nibbles(cg + j / 2 + h, 0, &low, &high);
                         for (int64_t i = 0; i < m; i++) {
-                            VEC t = MUL(low, LOAD(xg + i * k + j + h));
-                            t = FMA(high, LOAD(xg + i * k + j + 16 + h), t);
-                            part[i] = (j == 0 && h == 0) ? t : ADD(part[i], t);
+                            simd_f32 t = simd_mul(low, simd_load(xg + i * k + j + h));
+                            t = simd_fma(high, simd_load(xg + i * k + j + 16 + h), t);
+                            part[i] = (j == 0 && h == 0) ? t : simd_add(part[i], t);
                         }
                     }
                 }
             } else {
                 const int8_t *cg = (const int8_t *)c + g * group;
-                VEC w = widen_i8(cg);
-                for (int64_t i = 0; i < m; i++) part[i] = MUL(w, LOAD(xg + i * k));
-                for (int64_t j = LANES; j < group; j += LANES) {
-                    w = widen_i8(cg + j);
-                    for (int64_t i = 0; i < m; i++) part[i] = FMA(w, LOAD(xg + i * k + j), part[i]);
+                simd_f32 w = simd_load_i8(cg);
+                for (int64_t i = 0; i < m; i++) part[i] = simd_mul(w, simd_load(xg + i * k));
+                for (int64_t j = SIMD_LANES; j < group; j += SIMD_LANES) {
+                    w = simd_load_i8(cg + j);
+                    for (int64_t i = 0; i < m; i++) part[i] = simd_fma(w, simd_load(xg + i * k + j), part[i]);
                 }
             }
-            for (int64_t i = 0; i < m; i++) acc[i] = FMA(sg, part[i], acc[i]);
+            for (int64_t i = 0; i < m; i++) acc[i] = simd_fma(sg, part[i], acc[i]);
             if (mins) {
                 float mg = load_scale(mins, r * num_groups + g, half);
                 for (int64_t i = 0; i < m; i++) tail[i] += mg * xsum[i * num_groups + g];
             }
         }
-        for (int64_t i = 0; i < m; i++) y[i * n + r] = hsum(acc[i]) + tail[i];
+        for (int64_t i = 0; i < m; i++) y[i * n + r] = simd_hsum(acc[i]) + tail[i];
     }
 }
 
@@ -191,92 +150,88 @@ int group_gemv(const uint8_t *codes, int nibbles, const void *scale, const void 
     if (m < 1 || m > MAX_M || group < 1 || k % group || (nibbles && group % 32) || row_begin < 0 || row_end > n ||
         row_begin > row_end)
         return -1;
-#ifdef LANES
+#ifdef SIMD_LANES
     if (rows_dispatch(codes, nibbles, scale, mins, half, x, y, m, n, k, group, xsum, row_begin, row_end) == 0)
         return 0;
 #endif
-    rows_scalar(codes, nibbles, scale, mins, half, x, y, m, n, k, group, row_begin, row_end);
+    rows_scalar(codes, nibbles, scale, mins, half, x, xsum, y, m, n, k, group, row_begin, row_end);
     return 0;
 }
 
 /* ---- Dequantization: rounds of more than MAX_M rows rebuild the weight and multiply densely ---- */
 
+#ifdef SIMD_LANES
+/* w into out + at, float32 or bfloat16 (simd.h's rounding; w holds no subnormal and no NaN: the
+ * caller has checked its scales, simd.h's any_unsafe_scale) */
+static inline void store_out(void *out, int64_t at, simd_f32 w, const int out_bf16) {
+    if (out_bf16)
+        simd_store_bf16_normal((uint16_t *)out + at, w);
+    else
+        simd_store((float *)out + at, w);
+}
+#endif
+
+/* Whether no weight of `count` groups from group `at` can be subnormal or NaN (simd.h's
+ * any_unsafe_scale of their scales and mins), so that their bfloat16 stores may skip the tests */
+static int scales_normal(const void *scale, const void *mins, int half, int64_t at, int64_t count) {
+    if (half)
+        return !any_unsafe_scale_half((const uint16_t *)scale + at, count) &&
+               !(mins && any_unsafe_scale_half((const uint16_t *)mins + at, count));
+    return !any_unsafe_scale((const float *)scale + at, count) &&
+           !(mins && any_unsafe_scale((const float *)mins + at, count));
+}
+
+/* Whether rows may take dequantize_row's vector loops: groups of whole vectors and, for bfloat16
+ * output, scales_normal over their `count` groups from `at` */
+static int vector_rows(int64_t group, int out_bf16, const void *scale, const void *mins, int half, int64_t at,
+                       int64_t count) {
+#ifdef SIMD_LANES
+    int64_t lanes = SIMD_LANES;
+#else
+    int64_t lanes = 0; /* no vector loops */
+#endif
+    return lanes && group % lanes == 0 && (!out_bf16 || scales_normal(scale, mins, half, at, count));
+}
+
 /* One row of a group-quantized weight (either layout, as group_gemv reads it) into `out` [K], float32
  * or bfloat16: w = code * scale (+ min) with one rounding to float32 (a fused multiply-add), then
  * one to bfloat16. The product of a code and GGUF's scales is exact in float32, so for GGUF's
- * weights this also equals torch's addcmul(min, code, scale), which rounds the product first. */
-#ifdef LANES
-/* LANES bytes widened to int32 lanes */
-#if defined(__AVX512F__)
-#define IVEC __m512i
-static inline __m512i widen_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-#define IAND(a, m) _mm512_and_si512(a, _mm512_set1_epi32(m))
-#define ISHR(a, b) _mm512_srli_epi32(a, b)
-#define ISUB(a, b) _mm512_sub_epi32(a, _mm512_set1_epi32(b))
-#define ITOF(a) _mm512_cvtepi32_ps(a)
-#define STORE(p, v) _mm512_storeu_ps(p, v)
-static inline void store_bf16(uint16_t *p, __m512 v) {
-#if defined(__AVX512BF16__)
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
-#else
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(u));
-#endif
-}
-#else
-#define IVEC __m256i
-static inline __m256i widen_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-#define IAND(a, m) _mm256_and_si256(a, _mm256_set1_epi32(m))
-#define ISHR(a, b) _mm256_srli_epi32(a, b)
-#define ISUB(a, b) _mm256_sub_epi32(a, _mm256_set1_epi32(b))
-#define ITOF(a) _mm256_cvtepi32_ps(a)
-#define STORE(p, v) _mm256_storeu_ps(p, v)
-static inline void store_bf16(uint16_t *p, __m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-}
-#endif
-
-static inline void store_out(void *out, int64_t at, VEC w, int out_bf16) {
-    if (out_bf16)
-        store_bf16((uint16_t *)out + at, w);
-    else
-        STORE((float *)out + at, w);
-}
-#endif
-
-static void dequantize_row(const uint8_t *c, int nibbles, const void *scale, const void *mins, int half,
-                           int64_t scale_row, int64_t k, int64_t group, void *out, int out_bf16) {
+ * weights this also equals torch's addcmul(min, code, scale), which rounds the product first.
+ * `vector`: the vector loops (groups of whole vectors, no subnormal or NaN weight), else the scalar
+ * ones; `out_bf16` and `vector` constants where inlined (dequantize_row). */
+static inline __attribute__((always_inline)) void dequantize_row_impl(const uint8_t *c, int nibbles, const void *scale,
+                                                                       const void *mins, int half, int64_t scale_row,
+                                                                       int64_t k, int64_t group, void *out,
+                                                                       const int out_bf16, const int vector) {
     int64_t num_groups = k / group;
     float w[256]; /* one group at a time (group <= 256 is checked by the caller) */
     for (int64_t g = 0; g < num_groups; g++) {
         float s = load_scale(scale, scale_row * num_groups + g, half);
         float m = mins ? load_scale(mins, scale_row * num_groups + g, half) : 0.0f;
-#ifdef LANES
-        if (group % LANES == 0) {
-            VEC vs = SET1(s), vm = SET1(m);
+#ifdef SIMD_LANES
+        if (vector) {
+            simd_f32 vs = simd_set1(s), vm = simd_set1(m);
             int64_t at = g * group;
             if (nibbles) {
                 const uint8_t *cg = c + g * group / 2;
                 for (int64_t j = 0; j < group; j += 32)
-                    for (int64_t h = 0; h < 16; h += LANES) {
-                        IVEC b = widen_u8(cg + j / 2 + h);
-                        store_out(out, at + j + h, FMA(ITOF(IAND(b, 0x0F)), vs, vm), out_bf16);
-                        store_out(out, at + j + 16 + h, FMA(ITOF(ISHR(b, 4)), vs, vm), out_bf16);
+                    for (int64_t h = 0; h < 16; h += SIMD_LANES) {
+                        simd_f32 low, high;
+                        widen_nibbles(cg + j / 2 + h, 0, &low, &high);
+                        store_out(out, at + j + h, simd_fma(low, vs, vm), out_bf16);
+                        store_out(out, at + j + 16 + h, simd_fma(high, vs, vm), out_bf16);
                     }
             } else {
                 const int8_t *cg = (const int8_t *)c + g * group;
-                for (int64_t j = 0; j < group; j += LANES) {
-                    VEC q = widen_i8(cg + j);
-                    store_out(out, at + j, mins ? FMA(q, vs, vm) : MUL(q, vs), out_bf16);
+                for (int64_t j = 0; j < group; j += SIMD_LANES) {
+                    simd_f32 q = simd_load_i8(cg + j);
+                    store_out(out, at + j, mins ? simd_fma(q, vs, vm) : simd_mul(q, vs), out_bf16);
                 }
             }
             continue;
         }
+#else
+        (void)vector; /* no vector loops in this build */
 #endif
         if (nibbles) {
             const uint8_t *cg = c + g * group / 2;
@@ -301,6 +256,19 @@ static void dequantize_row(const uint8_t *c, int nibbles, const void *scale, con
     }
 }
 
+/* `vector`: the row may take the vector loops (the caller's scales_normal for bfloat16) */
+static void dequantize_row(const uint8_t *c, int nibbles, const void *scale, const void *mins, int half,
+                           int64_t scale_row, int64_t k, int64_t group, void *out, int out_bf16, int vector) {
+    if (out_bf16 && vector)
+        dequantize_row_impl(c, nibbles, scale, mins, half, scale_row, k, group, out, 1, 1);
+    else if (out_bf16)
+        dequantize_row_impl(c, nibbles, scale, mins, half, scale_row, k, group, out, 1, 0);
+    else if (vector)
+        dequantize_row_impl(c, nibbles, scale, mins, half, scale_row, k, group, out, 0, 1);
+    else
+        dequantize_row_impl(c, nibbles, scale, mins, half, scale_row, k, group, out, 0, 0);
+}
+
 /* Rows of the weight into out [R, K] (float32, or bfloat16 with `out_bf16`): row i of out is weight
  * row rows[i] (a gather, e.g. an embedding) or, with rows NULL, row row_begin + i; i runs over
  * [out_begin, out_end) so that threads can split one call. Returns 0, or -1 for unsupported shapes. */
@@ -309,13 +277,50 @@ int group_dequantize(const uint8_t *codes, int nibbles, const void *scale, const
                      int64_t group, void *out, int out_bf16) {
     if (group < 1 || group > 256 || k % group || (nibbles && group % 32) || out_begin < 0 || out_begin > out_end)
         return -1;
-    int64_t row_bytes = nibbles ? k / 2 : k, elem = out_bf16 ? 2 : 4;
+    int64_t row_bytes = nibbles ? k / 2 : k, elem = out_bf16 ? 2 : 4, groups = k / group;
+    /* a range of rows: their scales checked in one pass (row by row, the check costs a tenth of the
+     * work); a gather: row by row */
+    int vector = !rows && vector_rows(group, out_bf16, scale, mins, half, (row_begin + out_begin) * groups,
+                                      (out_end - out_begin) * groups);
     for (int64_t i = out_begin; i < out_end; i++) {
         int64_t r = rows ? rows[i] : row_begin + i;
+        if (rows) vector = vector_rows(group, out_bf16, scale, mins, half, r * groups, groups);
         dequantize_row(codes + r * row_bytes, nibbles, scale, mins, half, r, k, group, (uint8_t *)out + i * k * elem,
-                       out_bf16);
+                       out_bf16, vector);
     }
     return 0;
+}
+
+/* columns [kk, stop) of one block of int4pack_dequantize: w = (q - 8) * s + z rounded once to
+ * bfloat16, into out (row stride ld); `half_n` (block_n / 2) a constant where inlined, so that the
+ * vector loop unrolls; `vector`: whole vectors, and no scale that could give a subnormal or NaN weight */
+static inline __attribute__((always_inline)) void int4pack_columns(const uint8_t *block, const float *s,
+                                                                    const float *z, int64_t kk, int64_t stop,
+                                                                    const int64_t half_n, int vector, uint16_t *out,
+                                                                    int64_t ld) {
+    for (; kk < stop; kk++) {
+        const uint8_t *b = block + kk * half_n;
+        uint16_t *o = out + kk * ld;
+#ifdef SIMD_LANES
+        if (vector) {
+            for (int64_t j = 0; j < half_n; j += SIMD_LANES) {
+                simd_f32 low, high; /* codes - 8 */
+                widen_nibbles(b + j, 8, &low, &high);
+                simd_f32 w_low = simd_fma(low, simd_load(s + j), simd_load(z + j));
+                simd_f32 w_high = simd_fma(high, simd_load(s + half_n + j), simd_load(z + half_n + j));
+                simd_store_bf16_normal(o + j, w_low);
+                simd_store_bf16_normal(o + half_n + j, w_high);
+            }
+            continue;
+        }
+#else
+        (void)vector; /* no vector loop in this build */
+#endif
+        for (int64_t j = 0; j < half_n; j++) {
+            o[j] = float_to_bf16(fmaf((float)((b[j] & 0x0F) - 8), s[j], z[j]));
+            o[half_n + j] = float_to_bf16(fmaf((float)((b[j] >> 4) - 8), s[half_n + j], z[half_n + j]));
+        }
+    }
 }
 
 /* PyTorch's CPU int4pack layout (`_convert_weight_to_int4pack_for_cpu`, N a multiple of block_n):
@@ -333,6 +338,16 @@ int int4pack_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int
         return -1;
     int64_t half_n = block_n / 2, ld = n_end - n_begin;
     float s[256], z[256];
+    /* the vector loop for whole vectors, unless a scale or zero of the call's groups could give a
+     * subnormal or NaN weight (simd.h's any_unsafe_scale): then the scalar loop, whose rounding
+     * takes them */
+#ifdef SIMD_LANES
+    int vector = half_n % SIMD_LANES == 0;
+    for (int64_t g = k_begin / group; g * group < k_end && vector; g++)
+        vector = !any_unsafe_scale_bf16(scales_zeros + 2 * (g * n + n_begin), 2 * (n_end - n_begin));
+#else
+    int vector = 0;
+#endif
     for (int64_t nb = n_begin; nb < n_end; nb += block_n) {
         const uint8_t *block = packed + nb * k / 2;
         for (int64_t kk = k_begin; kk < k_end;) {
@@ -342,24 +357,14 @@ int int4pack_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int
                 s[j] = bf16_to_float(sz[2 * j]);
                 z[j] = bf16_to_float(sz[2 * j + 1]);
             }
-            for (; kk < stop; kk++) {
-                const uint8_t *b = block + kk * half_n;
-                uint16_t *o = out + kk * ld + (nb - n_begin);
-#ifdef LANES
-                if (half_n % LANES == 0) {
-                    for (int64_t j = 0; j < half_n; j += LANES) {
-                        IVEC q = widen_u8(b + j);
-                        store_bf16(o + j, FMA(ITOF(ISUB(IAND(q, 0x0F), 8)), LOAD(s + j), LOAD(z + j)));
-                        store_bf16(o + half_n + j, FMA(ITOF(ISUB(ISHR(q, 4), 8)), LOAD(s + half_n + j), LOAD(z + half_n + j)));
-                    }
-                    continue;
-                }
-#endif
-                for (int64_t j = 0; j < half_n; j++) {
-                    o[j] = float_to_bf16(fmaf((float)((b[j] & 0x0F) - 8), s[j], z[j]));
-                    o[half_n + j] = float_to_bf16(fmaf((float)((b[j] >> 4) - 8), s[half_n + j], z[half_n + j]));
-                }
-            }
+            uint16_t *o = out + (nb - n_begin);
+            if (half_n == 32) /* 64-row blocks: ATen's layout with AVX-512 */
+                int4pack_columns(block, s, z, kk, stop, 32, vector, o, ld);
+            else if (half_n == 16) /* 32-row blocks: with AVX2 */
+                int4pack_columns(block, s, z, kk, stop, 16, vector, o, ld);
+            else
+                int4pack_columns(block, s, z, kk, stop, half_n, vector, o, ld);
+            kk = stop;
         }
     }
     return 0;
@@ -367,8 +372,8 @@ int int4pack_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int
 
 /* The vectors the library was built for: 512, 256 (bits) or 0 (scalar). */
 int group_gemv_width(void) {
-#ifdef LANES
-    return LANES * 32;
+#ifdef SIMD_LANES
+    return SIMD_LANES * 32;
 #else
     return 0;
 #endif
@@ -453,8 +458,8 @@ int blocks_gather_parts(const uint8_t *packed, int bits, const void *scale, cons
 
 /* the row block the vector loops of code_blocks.h read (4 vectors of float32 lanes), 0 without them */
 int blocks_block_n(void) {
-#ifdef CB_LANES
-    return 4 * CB_LANES;
+#ifdef SIMD_LANES
+    return 4 * SIMD_LANES;
 #else
     return 0;
 #endif
