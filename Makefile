@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint typecheck bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# mypy over the torch-free packages (text, proto, contracts, runtime, planning, router) and the operator
+typecheck: $(STAMP)
+	$(BIN)/python .ci/typecheck.py
+
 # Two pytest workers, one test module each at a time (--dist loadfile keeps a module's cluster
 # fixtures in one process): much of the suite waits on subprocesses or runs one Python thread.
-test: lint
+test: lint typecheck
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)

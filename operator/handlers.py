@@ -146,7 +146,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         spec: kopf.Spec,
         status: kopf.Status,
         name: str,
-        namespace: str,
+        namespace: str | None,
         uid: str,
         meta: kopf.Meta,
         memo: kopf.Memo,
@@ -154,6 +154,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         logger: kopf.Logger,
         **_: Any,
     ) -> None:
+        assert namespace is not None, "InferenceMesh and its children are namespaced"
         conditions = status.get("conditions")
         try:
             mesh = parse_spec(dict(spec), config.default_image)
@@ -178,9 +179,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                             observedGeneration=meta.get("generation"))  # fmt: skip
 
     async def child_deleted(
-        type: str, meta: kopf.Meta, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+        type: str, meta: kopf.Meta, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
     ) -> None:
         """Re-apply the owner mesh's children when one was deleted, unless the mesh is going away."""
+        assert namespace is not None, "InferenceMesh and its children are namespaced"
         owner = _owner_mesh(meta)
         if type != "DELETED" or owner is None:
             return
@@ -202,8 +204,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
     @kopf.on.delete(*RESOURCE, registry=registry)
     async def delete(
-        spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+        spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
     ) -> None:
+        assert namespace is not None, "InferenceMesh and its children are namespaced"
         for role in manifests_roles():
             for kind in (WORKLOAD_KIND[role], "Service", "PodDisruptionBudget"):
                 await memo.kube.delete(kind, namespace, f"{name}-{role}")
@@ -221,7 +224,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         spec: kopf.Spec,
         status: kopf.Status,
         name: str,
-        namespace: str,
+        namespace: str | None,
         uid: str,
         meta: kopf.Meta,
         memo: kopf.Memo,
@@ -229,6 +232,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         logger: kopf.Logger,
         **_: Any,
     ) -> None:
+        assert namespace is not None, "InferenceMesh and its children are namespaced"
         try:
             mesh = parse_spec(dict(spec), config.default_image)
         except SpecError:
@@ -286,7 +290,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                     logger.info(f"published placement {outcome.published_version}: {outcome.reason}")
                 patch.status["placementVersion"] = outcome.active_version
                 patch.status["pendingPlacementVersion"] = outcome.pending_version
-                if outcome.imbalance_before is not None:
+                if outcome.imbalance_before is not None and outcome.imbalance_after is not None:
                     patch.status["imbalance"] = {
                         "before": round(outcome.imbalance_before, 4),
                         "after": round(outcome.imbalance_after, 4),
@@ -312,6 +316,7 @@ async def _scale_experts(
     """The expert-scaling step (spec.autoscaling.expert): resize the StatefulSet or have the EPLB
     step place replicas over a new worker count; returns the layout the EPLB step plans for."""
     policy = mesh.expert_autoscaling
+    assert policy is not None, "called only with spec.autoscaling.expert"
     live = await memo.kube.get("StatefulSet", namespace, f"{name}-expert")
     replicas = int(((live or {}).get("spec") or {}).get("replicas", 0))
     outcome, memo.expert_autoscaler = await asyncio.to_thread(

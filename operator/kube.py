@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import kopf
@@ -33,7 +33,7 @@ LAST_APPLIED = "moemesh.io/last-applied"
 
 InferenceMesh = create_namespaced_resource("moemesh.io", "v1alpha1", "InferenceMesh", "inferencemeshes")
 
-RESOURCES = {
+RESOURCES: dict[str, Any] = {  # lightkube resource classes by kind
     "ConfigMap": ConfigMap,
     "Secret": Secret,
     "Service": Service,
@@ -148,7 +148,8 @@ class KubeApi:
         selects them; the check here keeps servers that ignore labelSelector honest)."""
 
         async def collect() -> list[Any]:
-            return [obj async for obj in self._api().list(RESOURCES[kind], namespace=namespace, labels=labels)]
+            selector: dict[str, Any] = dict(labels)
+            return [obj async for obj in self._api().list(RESOURCES[kind], namespace=namespace, labels=selector)]
 
         found = await self._call(f"list {kind} {namespace} {labels}", collect())
         objs = [_dict(obj) for obj in found or ()]
@@ -159,7 +160,7 @@ class KubeApi:
         resource = RESOURCES[manifest["kind"]]
         obj = resource.from_dict(manifest) if hasattr(resource, "from_dict") else resource(manifest)
         created = await self._call(f"create {manifest['kind']} {meta['namespace']}/{meta['name']}",
-                                   self._api().create(obj, namespace=meta["namespace"]))  # fmt: skip
+                                   cast(Any, self._api()).create(obj, namespace=meta["namespace"]))  # fmt: skip
         return _dict(created)
 
     async def patch(self, kind: str, namespace: str, name: str, patch: Manifest,

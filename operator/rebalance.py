@@ -100,6 +100,7 @@ def rebalance_step(
     load = read_expert_load(client, mesh, num_layers, layout.num_experts, clock=clock)
     if load.num_workers == 0 or not load.counts.any():
         return outcome(0, True, reason="no expert load reported")
+    assert newest is not None, "_compatible is False without a placement"
     result = replan(load.counts, layout, newest.phy2log)
     before, after = result.current_imbalance, result.plan.imbalance
     if not should_publish(before, after, threshold):

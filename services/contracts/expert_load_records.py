@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import redis
@@ -70,7 +71,7 @@ def publish_expert_load(
     now = clock()
     key = redis_keys.expert_load_key(mesh, worker_id)
     payload = np.ascontiguousarray(array, dtype=_DTYPE).tobytes()
-    mapping = {
+    mapping: dict = {  # field -> str or bytes (redis-py's Mapping type is invariant in its keys)
         "shape": f"{array.shape[0]},{array.shape[1]}",
         "dtype": _DTYPE,
         "counts": payload,
@@ -116,9 +117,9 @@ def read_expert_load(
             continue
         if shape != expected_shape or dtype != _DTYPE.encode():
             continue
-        total += np.frombuffer(payload, dtype=_DTYPE).reshape(num_layers, num_experts)
+        total += np.frombuffer(cast(bytes, payload), dtype=_DTYPE).reshape(num_layers, num_experts)
         num_workers += 1
-        max_window_s = max(max_window_s, float(window_s))
+        max_window_s = max(max_window_s, float(redis_keys.text(window_s)))
     redis_keys.forget_members(client, index_key, prefix, vanished)
     total.setflags(write=False)
     return ExpertLoad(counts=total, num_workers=num_workers, max_window_s=max_window_s)

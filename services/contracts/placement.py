@@ -226,7 +226,7 @@ class PlacementStore:
 
     def ready_workers(self, version: int) -> frozenset[str]:
         members = self._client.smembers(redis_keys.placement_ready_key(self._mesh, version))
-        return frozenset(m.decode() for m in members)
+        return frozenset(redis_keys.text(m) for m in members)
 
     def missing_workers(self, version: int) -> tuple[str, ...]:
         """Owning workers of ``version`` that did not mark it ready yet. Called by the operator."""
@@ -278,10 +278,10 @@ class PlacementStore:
         versions_key = redis_keys.placement_versions_key(self._mesh)
         with self._client.pipeline(transaction=True) as pipe:
             pipe.watch(current_key, versions_key)
-            previous = int(pipe.get(current_key) or 0)
+            previous = int(redis_keys.text(pipe.get(current_key) or 0))
             if version <= previous:
                 raise PlacementError(f"placement {version} is not newer than the current {previous}")
-            older = [int(v) for v in pipe.zrangebyscore(versions_key, "-inf", version - 1)]
+            older = [int(redis_keys.text(v)) for v in pipe.zrangebyscore(versions_key, "-inf", version - 1)]
             stale = [v for v in older if v != previous]
             pipe.multi()
             pipe.set(current_key, version)

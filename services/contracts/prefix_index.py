@@ -200,7 +200,7 @@ class PrefixIndex:
         """Replace all of the worker's entries with this snapshot; its seq restarts at 0.
         Returns the number of blocks written."""
         expiry = self.clock() + ttl_s
-        args = [self.prefix, worker_id, epoch, block_size, model_id, repr(expiry)]
+        args: list[str | int] = [self.prefix, worker_id, epoch, block_size, model_id, repr(expiry)]
         return int(self._resync(args=args + [h.hex() for h in block_hashes]))
 
     def apply_batch(
@@ -214,7 +214,7 @@ class PrefixIndex:
     ) -> bool:
         """Apply batch `seq`; False (nothing applied) when the worker must resync."""
         expiry = self.clock() + ttl_s
-        args = [self.prefix, worker_id, epoch, seq, repr(expiry), len(stored)]
+        args: list[str | int] = [self.prefix, worker_id, epoch, seq, repr(expiry), len(stored)]
         args += [h.hex() for h in stored] + [h.hex() for h in removed]
         return bool(self._apply(args=args))
 
@@ -227,7 +227,7 @@ class PrefixIndex:
 
     def reap_expired(self) -> list[str]:
         """Drop every entry of workers whose expiry passed; returns their ids."""
-        return [w.decode() for w in self._reap(args=[self.prefix, repr(self.clock())])]
+        return [redis_keys.text(w) for w in self._reap(args=[self.prefix, repr(self.clock())])]
 
     # -- router ----------------------------------------------------------------------------
     def longest_prefixes(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -235,11 +235,13 @@ class PrefixIndex:
         if not block_hashes:
             return {}
         flat = self._longest(args=[self.prefix, *[h.hex() for h in block_hashes]])
-        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return {redis_keys.text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     def worker_blocks(self, worker_id: str) -> set[BlockHash]:
         """Every key the index holds for one worker (tests and debugging)."""
-        return {bytes.fromhex(h.decode()) for h in self.client.smembers(worker_blocks_key(self.mesh, worker_id))}
+        return {
+            bytes.fromhex(redis_keys.text(h)) for h in self.client.smembers(worker_blocks_key(self.mesh, worker_id))
+        }
 
     def indexed_workers(self) -> list[str]:
-        return sorted(w.decode() for w in self.client.zrange(workers_key(self.mesh), 0, -1))
+        return sorted(redis_keys.text(w) for w in self.client.zrange(workers_key(self.mesh), 0, -1))

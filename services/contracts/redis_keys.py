@@ -24,12 +24,18 @@ hosts should keep their clocks in sync within a fraction of the TTL (NTP does).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
 KEY_PREFIX = "moemesh"
 
 Clock = Callable[[], float]
+
+
+def text(value: Any) -> str:
+    """A Redis reply as text: clients without `decode_responses` return bytes."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def mesh_prefix(mesh: str) -> str:
@@ -89,7 +95,7 @@ def put_expiring(
     record_key: str,
     ttl_s: float,
     now: float,
-    write: Callable[[redis.client.Pipeline], None],
+    write: Callable[[redis.client.Pipeline], object],  # queues the record's writes; its result is unused
 ) -> None:
     """Atomically (MULTI) write a record via ``write``, give it a TTL and index it with its expiry."""
     if ttl_s <= 0:

@@ -255,7 +255,7 @@ def check_expert_pods(plan: MemoryPlan, expert_pods: int) -> str | None:
         need = f"at least {sizing.min_workers} expert pods" if sizing.min_workers else "larger GPUs"
         return (f"with no expert pods a worker holds every weight ({plan.weights.total.bytes / 2**30:.1f} GiB), more "
                 f"than the {gib:.1f} GiB usable per pod: {need} are needed")  # fmt: skip
-    if sizing.min_workers is None:
+    if sizing.min_workers is None or sizing.bytes_per_worker is None:
         return (f"one expert slot ({plan.slot_bytes / 2**30:.2f} GiB: an expert in each of {plan.num_moe_layers} MoE "
                 f"layers) is more than the {gib:.1f} GiB usable per pod: no expert pod count fits; use larger GPUs")  # fmt: skip
     need = (f"at least {sizing.min_workers} expert pods are needed ({sizing.slots_per_worker} slots, "

@@ -156,7 +156,7 @@ def count_from_config(layout: CheckpointLayout, fmt: WeightFormat) -> tuple[Weig
     for spec in layout.tensors:
         quantized = fmt.fp8_block is not None and spec.quantizable
         count = tensor_count(spec, fmt, quantized)
-        if quantized:
+        if fmt.fp8_block is not None and spec.quantizable:
             count += Count(0, scale_bytes(spec.shape, fmt.fp8_block))
         tally.add(spec, count)
     return tally.totals(False), tally.totals(True)

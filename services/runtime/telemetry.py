@@ -45,6 +45,7 @@ class JsonLinesSpanExporter(SpanExporter):
 
 def _span_record(span: ReadableSpan) -> dict:
     ctx = span.get_span_context()
+    assert ctx is not None, "a finished span has a context"
     return {
         "name": span.name,
         "service": span.resource.attributes.get("service.name"),
