@@ -174,15 +174,14 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | 
     timed = engine.model.moe_runtime.executor
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
-    outputs: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
     steps, moe, wait, overhead = [], [], [], []
     while engine.has_unfinished_requests():
         running = len(engine.scheduler.running)
         moe_before, wait_before, start = timed.seconds, waits.seconds if waits else 0.0, time.perf_counter()
         compute_before = remote.compute_s if remote else 0.0
         for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
+            outputs[out.request_id] += out.new_token_ids
         if running == len(prompts) and not engine.scheduler.waiting:  # every request decoding
             steps.append(time.perf_counter() - start)
             moe.append(timed.seconds - moe_before)

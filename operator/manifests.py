@@ -10,7 +10,9 @@ Children, all named ``{mesh}-{suffix}`` in the mesh's namespace and owned by it:
 - a PodDisruptionBudget per role (maxUnavailable 1: voluntary evictions go one pod at a time).
 
 Every worker container runs ``moemesh serve --role ROLE --config /etc/moemesh/mesh.json`` and
-gets POD_NAME / POD_NAMESPACE / POD_IP and MOEMESH_REDIS_PASSWORD (from a Secret) in env.
+gets POD_NAME / POD_NAMESPACE / POD_IP and MOEMESH_REDIS_PASSWORD (from a Secret) in env. The
+engine settings (spec.engine, spec.<role>.engine) reach the workers through mesh.json's `engine`
+and `roles.<role>.engine` sections, the router as flags.
 """
 
 from __future__ import annotations
@@ -97,7 +99,6 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
             "source": spec.model.source.resolved(),
             "num_moe_layers": spec.model.num_moe_layers,
             "num_experts": spec.model.num_experts,
-            "dtype": spec.model.dtype,
         },
         "redis_url": redis_url,
         "ports": {"grpc": GRPC_PORT, "data": DATA_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT},
@@ -107,6 +108,7 @@ def config_map(spec: MeshSpec, name: str, namespace: str, uid: str, redis_url: s
         "expert_worker_ids": expert_worker_ids(name, spec.roles["expert"].replicas),
         "expert_transport": spec.expert_transport,
         "drain_seconds": spec.drain_s,
+        **spec.engine.mesh_config(),  # engine, roles.<role>.engine: spec.engine, spec.<role>.engine
     }
     if spec.otlp_endpoint:
         settings["otlp_endpoint"] = spec.otlp_endpoint
@@ -146,16 +148,20 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
     if role == "router" and spec.api_key_secret is not None:  # the keys clients must send (comma-separated)
         name_, key = spec.api_key_secret
         env.append({"name": "MOEMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": name_, "key": key}}})
+    live: dict[str, Any]
+    ready: dict[str, Any]
     if role == "router":  # alive while the process serves HTTP; ready once a decode worker is routable
         live, ready = {"httpGet": {"path": "/live", "port": "http"}}, {"httpGet": {"path": "/health", "port": "http"}}
     else:  # alive while loading / waiting for a placement; ready when it serves
         live, ready = {"grpc": {"port": GRPC_PORT, "service": "liveness"}}, {"grpc": {"port": GRPC_PORT}}
+    # the router reads no engine section of mesh.json: the mesh-wide values it reads (--block-size) are flags
+    engine_flags = spec.engine.router_argv() if role == "router" else []
     container: dict[str, Any] = {
         "name": role,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         # every pod binds its own IP (what Services, probes and Prometheus reach)
-        "command": ["moemesh", "serve", "--role", role, "--config", CONFIG_PATH, "--host", "$(POD_IP)"],
+        "command": ["moemesh", "serve", "--role", role, "--config", CONFIG_PATH, "--host", "$(POD_IP)", *engine_flags],
         "ports": ports,
         "env": env,
         # model loading can take minutes: the startup probe allows up to 30 min

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moemesh.operator.autoscaler import RatioGuard, ScalingPolicy
+from moemesh.operator.engine_spec import EngineSpec, EngineSpecError, parse_engine
 from moemesh.operator.eplb import EplbError, EplbLayout
 from moemesh.operator.expert_scaling import ExpertScalingPolicy
 from moemesh.operator.model_source_volumes import ModelSource, SourceError, parse_source
 from moemesh.planning.checkpoint_tensors import ModelConfigError
 from moemesh.planning.memory_plan import MemoryPlanError, parse_size, plan_mesh
+from moemesh.runtime.engine_config import DTYPES
 
 ROLES = ("router", "prefill", "decode", "expert")
 # spec.<role> keys copied verbatim into the pod spec
@@ -49,7 +51,6 @@ class ModelSpec:
     num_expert_groups: int = 1
     config: dict[str, Any] | None = None  # the checkpoint's config.json, for the memory plan
     gpu_memory_bytes: int | None = None  # one pod's GPU memory, for the memory plan
-    dtype: str = "auto"  # the workers' compute dtype (auto: bf16 on GPU or CPUs with native bf16)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class MeshSpec:
     api_key_secret: tuple[str, str] | None = None  # spec.apiKeySecretRef (name, key): the router's API keys
     drain_s: float = 30.0  # spec.drainSeconds: SIGTERM -> in-flight requests may finish this long
     expert_autoscaling: ExpertScalingPolicy | None = None  # spec.autoscaling.expert; None: spec.expert.replicas
+    engine: EngineSpec = field(default_factory=EngineSpec)  # spec.engine, spec.<role>.engine (engine_spec.py)
 
     def policy_for(self, role: str) -> ScalingPolicy:
         role_spec = self.roles[role]
@@ -146,7 +148,14 @@ def _int(section: dict[str, Any], key: str, default: int, path: str, minimum: in
     return value
 
 
-def _float(section: dict[str, Any], key: str, default: float | None, path: str) -> float | None:
+def _float(section: dict[str, Any], key: str, default: float, path: str) -> float:
+    """A non-negative number; absent or null: the default."""
+    value = _optional_float(section, key, default, path)
+    return default if value is None else value
+
+
+def _optional_float(section: dict[str, Any], key: str, default: float | None, path: str) -> float | None:
+    """A non-negative number; absent: the default; null: None (the setting is off)."""
     if key not in section:
         return default
     value = section[key]
@@ -231,7 +240,6 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         num_expert_groups=_int(model, "numExpertGroups", 1, "spec.model", minimum=1),
         config=_section(model, "config", "spec.model") or None,
         gpu_memory_bytes=_gpu_memory(model.get("gpuMemory")),
-        dtype=_model_dtype(model),
     )
     image = _section(spec, "image", "spec")
     repository = image.get("repository")
@@ -242,10 +250,10 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
     ratio = _section(scaling, "prefillDecodeRatio", path)
     try:
         policy = ScalingPolicy(
-            target_requests_per_replica=_float(scaling, "targetRequestsPerReplica", 8.0, path) or None,
-            target_kv_usage=_float(scaling, "targetKvUsage", 0.8, path) or None,
-            target_ttft_p90_s=_float(scaling, "targetTtftP90Seconds", None, path) or None,
-            target_itl_p90_s=_float(scaling, "targetItlP90Seconds", None, path) or None,
+            target_requests_per_replica=_optional_float(scaling, "targetRequestsPerReplica", 8.0, path) or None,
+            target_kv_usage=_optional_float(scaling, "targetKvUsage", 0.8, path) or None,
+            target_ttft_p90_s=_optional_float(scaling, "targetTtftP90Seconds", None, path) or None,
+            target_itl_p90_s=_optional_float(scaling, "targetItlP90Seconds", None, path) or None,
             scale_up_window_s=_float(scaling, "scaleUpWindowSeconds", 0.0, path),
             scale_down_window_s=_float(scaling, "scaleDownWindowSeconds", 300.0, path),
             max_step_up=_int(scaling, "maxStepUp", 4, path, minimum=1),
@@ -293,6 +301,7 @@ def parse_spec(spec: dict[str, Any], default_image: str) -> MeshSpec:
         image_pull_secrets=tuple(ref["name"] for ref in _named_list(spec, "imagePullSecrets", "spec")),
         api_key_secret=_secret_ref(spec, "apiKeySecretRef", "spec", "api-key"),
         drain_s=_float(spec, "drainSeconds", 30.0, "spec"),
+        engine=_engine(spec, _model_dtype(model)),
     )
     try:
         layout = mesh.expert_layout  # validates the expert/EPLB combination
@@ -336,14 +345,22 @@ def _expert_scaling(section: dict[str, Any], mesh: MeshSpec, layout: EplbLayout 
     return policy
 
 
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.worker.settings.DTYPE_CHOICES
+MODEL_DTYPES = DTYPES  # spec.model.dtype: the engine's dtypes
 
 
-def _model_dtype(model: dict[str, Any]) -> str:
-    value = model.get("dtype", "auto")
-    if value not in MODEL_DTYPES:
+def _model_dtype(model: dict[str, Any]) -> str | None:
+    """spec.model.dtype, the engine's dtype before spec.engine.dtype (which wins when both are set)."""
+    value = model.get("dtype")
+    if value is not None and value not in MODEL_DTYPES:
         raise SpecError(f"spec.model.dtype must be one of {list(MODEL_DTYPES)}, got {value!r}")
     return value
+
+
+def _engine(spec: dict[str, Any], legacy_dtype: str | None) -> EngineSpec:
+    try:
+        return parse_engine(spec, legacy_dtype)
+    except EngineSpecError as exc:
+        raise SpecError(str(exc)) from exc
 
 
 def _secret_ref(section: dict[str, Any], key: str, path: str, default_key: str) -> tuple[str, str] | None:

@@ -13,33 +13,29 @@ import argparse
 import os
 import sys
 
+GENERATE_EXCLUDES = ("seed",)  # engine options `moemesh generate` spells otherwise
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moemesh", description="Serve Mixture-of-Experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline with the engine")
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
-    gen.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="seed of each prompt's sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="auto: bfloat16 where the CPU has native bf16, else float32",
-    )
+    from moemesh.runtime.engine_args import add_engine_arguments
+
+    # LLM(...)'s options with its defaults; --seed above is the prompts' (the engine's seeds requests without one)
+    add_engine_arguments(gen.add_argument_group("engine"), "offline", exclude=GENERATE_EXCLUDES)
     gen.set_defaults(func=_generate)
 
     from moemesh.cli.serve_args import add_serve_arguments
     from moemesh.launcher.up import add_up_arguments
-    from moemesh.worker.settings import add_speculation_arguments
-
-    add_speculation_arguments(gen.add_argument_group("speculative decoding"))
 
     serve = sub.add_parser("serve", help="run one service: router, prefill, decode or both (aggregated worker)")
     add_serve_arguments(serve)
@@ -122,8 +118,9 @@ def _up(args) -> int:
 def _generate(args) -> int:
     from moemesh.engine.errors import MoemeshError
     from moemesh.engine.sampling_params import SamplingParams
+    from moemesh.runtime.engine_args import from_flags, options_for
+    from moemesh.runtime.engine_config import options_of
     from moemesh.runtime.settings import SettingsError
-    from moemesh.worker.settings import speculation_settings
 
     try:
         params = SamplingParams(
@@ -134,10 +131,12 @@ def _generate(args) -> int:
             max_tokens=args.max_tokens,
             stop=tuple(args.stop),
         )
-        speculative = speculation_settings(args).spec_config()
+        config = from_flags(args, GENERATE_EXCLUDES)  # checked here, errors naming the flags
+        values = options_of(config)
+        options = {o.name: values[o.name] for o in options_for(GENERATE_EXCLUDES) if o.group != "spec"}
         from moemesh.engine.llm import LLM  # torch: only once the arguments are known good
 
-        llm = LLM(model=args.model, dtype=args.dtype, speculative=speculative)
+        llm = LLM(speculative=config.spec, **options)
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
@@ -155,4 +154,3 @@ def _generate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
-

@@ -3,15 +3,16 @@
 The engine thread is the only one that touches the LLMEngine. It loops: run the submitted
 commands, `step()` while there is work, then hand every event to the asyncio loop in one
 `call_soon_threadsafe`. Callers (in the loop):
-- `generate(...)` adds a request and yields its events: `RemotePrefillNeeded` (decode: fetch
-  the KV, then `finish_remote_prefill` or `fallback_to_local_prefill`), `RequestOutput`
-  deltas, and on a prefill worker an `ExportedKV` after each round that completed some of its KV,
-  the last one (with the first token) after the final output. Leaving the iteration
+- `generate(...)` adds a request and yields its events: a `RequestDelta` per step (what it
+  added), up to the finished one, and the KV connector's events (`KVConnectorEvent`: a load
+  started or finished, KV handed out, ...), each step's before its delta. Leaving the iteration
   early (cancellation, client gone, `aclose()`) aborts the request and frees its blocks.
 - `call(fn)` runs `fn(engine)` between steps and returns its result (or raises its error).
 - `stats` is the latest `LLMEngine.stats()`, refreshed after every step, read without locking.
 - `kv_event_sink(events)` (optional) is called in the loop with each step's prefix-cache
   changes (`KVEvents`), for the prefix-index publisher.
+The engine's KV connector is bound to the loop once the engine is built (`KVConnector.bind`): it may
+run its I/O there, and wakes the engine thread when a transfer ends.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from typing import Any
 
 import torch
 
-from moemesh.engine.connectors.kv_transfer import ExportedKV, RemoteKV
-from moemesh.engine.core.request import RemotePrefillParams
+from moemesh.engine.connectors.base import KVConnectorEvent, KVTransferParams
 from moemesh.engine.errors import InvalidRequestError
 from moemesh.engine.llm_engine import LLMEngine
-from moemesh.engine.outputs import RequestOutput
+from moemesh.engine.outputs import RequestDelta
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.engine.step_failure import fail_unfinished_requests, take_expert_error
 
@@ -39,15 +39,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
-@dataclass(frozen=True)
-class RemotePrefillNeeded:
-    """Decode: the request's blocks are allocated; fetch KV from token `num_computed_tokens`."""
-
-    request_id: str
-    num_computed_tokens: int
-
-
-EngineEvent = RemotePrefillNeeded | RequestOutput | ExportedKV
+EngineEvent = RequestDelta | KVConnectorEvent
 
 
 @dataclass(frozen=True)
@@ -120,8 +112,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        remote_prefill: RemotePrefillParams | None = None,
-        kv_export_start: int | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         resume_token_ids: list[int] = (),
     ) -> AsyncIterator[EngineEvent]:
         events: asyncio.Queue = asyncio.Queue()
@@ -135,8 +126,7 @@ class AsyncEngine:
                     prompt_token_ids,
                     params,
                     request_id,
-                    remote_prefill=remote_prefill,
-                    kv_export_start=kv_export_start,
+                    kv_transfer_params=kv_transfer_params,
                     detokenize=False,
                     resume_token_ids=resume_token_ids,
                 )  # fmt: skip
@@ -148,10 +138,7 @@ class AsyncEngine:
                 if isinstance(event, RequestFailed):
                     done = True
                     raise event.error
-                if isinstance(event, ExportedKV):
-                    done = event.first_token is not None
-                elif isinstance(event, RequestOutput) and event.finished:
-                    done = kv_export_start is None or event.finish_reason == "abort"
+                done = isinstance(event, RequestDelta) and event.finished
                 yield event
         finally:
             self._queues.pop(request_id, None)
@@ -163,14 +150,6 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put((lambda e: self._dispatch_now(e.abort_request([request_id])), None))
 
-    async def finish_remote_prefill(self, request_id: str, kv: RemoteKV) -> None:
-        """Decode: write the fetched KV; the first token arrives through `generate`'s events."""
-        await self.call(lambda e: self._dispatch_now(e.finish_remote_prefill(request_id, kv)))
-
-    async def fallback_to_local_prefill(self, request_id: str, kv: RemoteKV | None = None) -> int:
-        """Decode: prefill locally after the KV `kv` holds; returns the number of tokens kept."""
-        return await self.call(lambda e: e.fallback_to_local_prefill(request_id, kv))
-
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         if self._num_threads:
@@ -181,6 +160,7 @@ class AsyncEngine:
             logger.exception("engine failed to load")
             self._loop.call_soon_threadsafe(_set_exception, self._ready, e)
             return
+        self.engine.kv_connector.bind(self._loop, self._wake)
         self.stats = self.engine.stats()
         self._loop.call_soon_threadsafe(_set_result, self._ready, None)
         try:
@@ -207,10 +187,10 @@ class AsyncEngine:
                 logger.error("step failed, %d requests failed: %s", len(failed), error)
                 events.extend(RequestFailed(request_id, error) for request_id in sorted(failed))
                 outputs = []
+            # after a failure (a failed request reads no further); before the outputs: a load's end
+            # precedes the first token it brought, KV handed out precedes its request's last delta
+            events.extend(engine.take_connector_events())
             events.extend(outputs)
-            events.extend(engine.take_kv_exports())
-        for request in engine.take_remote_prefills():
-            events.append(RemotePrefillNeeded(request.request_id, request.num_computed_tokens))
         kv_events = engine.kv_cache_manager.drain_events()
         self.stats = engine.stats()
         if events or kv_events:
@@ -239,7 +219,11 @@ class AsyncEngine:
                 return
         self._stopping.set()  # None: stop
 
-    def _dispatch_now(self, outputs: list[RequestOutput]) -> None:
+    def _wake(self) -> None:
+        """Thread-safe: end the engine thread's idle wait (a connector's transfer ended)."""
+        self._commands.put((_nothing, None))
+
+    def _dispatch_now(self, outputs: list[RequestDelta]) -> None:
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs, None)
 
@@ -255,6 +239,10 @@ class AsyncEngine:
     def _fail_all(self) -> None:
         for target in self._queues.values():
             target.put_nowait(EngineDeadError("the engine stopped"))
+
+
+def _nothing(engine: LLMEngine) -> None:
+    return None
 
 
 def _set_result(future: asyncio.Future, result) -> None:

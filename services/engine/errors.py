@@ -1,13 +1,11 @@
 """Errors raised at the engine's boundary; each tells the user which field to fix. The request
-and model-loading errors are the text layer's (`moemesh.text.errors`), shared with the router."""
+and model-loading errors are the text layer's (`moemesh.text.errors`), shared with the router;
+ConfigError is the config definition's (`moemesh.runtime.engine_config`)."""
 
+from moemesh.runtime.engine_config import ConfigError
 from moemesh.text.errors import InvalidRequestError, ModelLoadError, MoemeshError
 
 __all__ = ["ConfigError", "ExpertUnavailableError", "InvalidRequestError", "ModelLoadError", "MoemeshError"]
-
-
-class ConfigError(MoemeshError, ValueError):
-    """An engine configuration value is out of range."""
 
 
 class ExpertUnavailableError(MoemeshError):

@@ -7,11 +7,14 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from typing import NamedTuple
 
 from moemesh.launcher.local_cluster import ClusterSpec, LocalCluster
 from moemesh.launcher.ports import port_in_use
+from moemesh.runtime import engine_args
+from moemesh.runtime.engine_config import BY_NAME, OPTIONS
 from moemesh.runtime.settings import SettingsError
-from moemesh.worker.settings import DTYPE_CHOICES, EXPERT_TRANSPORTS, add_speculation_arguments, speculation_settings
+from moemesh.worker.settings import EXPERT_TRANSPORTS, engine_settings
 
 
 def add_up_arguments(parser) -> None:
@@ -23,11 +26,7 @@ def add_up_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=0, help="router gRPC port (0: any free port)")
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
-    parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV cache per worker")
-    parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
-                        help="workers' and expert workers' compute dtype (default auto: bfloat16 with native bf16)")  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="write each service's log here instead of the terminal")
     parser.add_argument("--otlp-endpoint", default=None, help="every service exports traces over OTLP/gRPC here")
     parser.add_argument(
@@ -48,17 +47,29 @@ def add_up_arguments(parser) -> None:
         choices=EXPERT_TRANSPORTS,
         help="with --experts: the expert data plane of the workers (default grpc-stream)",
     )
-    add_speculation_arguments(parser)  # handed to the decode workers
+    # every service gets --model; the other engine flags given go to the services whose role reads them
+    engine_args.add_engine_arguments(parser.add_argument_group("engine (as moemesh serve takes them)"), "serve")
 
 
-def speculation_args(args) -> tuple[str, ...]:
-    """The `--speculative-*` flags for the workers, checked here first (SettingsError)."""
-    spec = speculation_settings(args)
-    if spec.method == "none":
-        return ()
-    flags = ("--speculative-method", spec.method, "--num-speculative-tokens", str(spec.num_speculative_tokens),
-             "--speculative-scheduling", spec.scheduling)  # fmt: skip
-    return flags + (("--draft-model", spec.draft_model) if spec.draft_model else ())
+class ServiceArgs(NamedTuple):
+    """The engine flags given to `moemesh up`, for each kind of service."""
+
+    worker: tuple[str, ...]  # prefill, decode and aggregated workers (each reads those of its role)
+    expert: tuple[str, ...]
+    router: tuple[str, ...]
+
+
+def service_args(args) -> ServiceArgs:
+    """The engine flags given, checked here first as a worker would (SettingsError), split by the
+    roles that read them; --model goes to every service apart (ClusterSpec.model)."""
+    engine_settings(args, {}, "both")
+    given = engine_args.given(args) - {"model"}
+    values = {o.name: o.parse(getattr(args, o.name)) for o in OPTIONS if o.name in given}
+
+    def of(*roles: str) -> tuple[str, ...]:
+        return tuple(engine_args.argv({n: v for n, v in values.items() if BY_NAME[n].roles & set(roles)}))
+
+    return ServiceArgs(worker=of("prefill", "decode", "both"), expert=of("expert"), router=of("router"))
 
 
 def print_endpoints(cluster: LocalCluster) -> None:
@@ -71,21 +82,18 @@ def print_endpoints(cluster: LocalCluster) -> None:
 
 
 def run_up(args) -> int:
-    worker_args = ("--kv-memory-gib", str(args.kv_memory_gib)) if args.kv_memory_gib else ()
-    dtype_args = ("--dtype", args.dtype) if args.dtype else ()
-    worker_args += dtype_args
     try:
-        worker_args += speculation_args(args)
+        flags = service_args(args)
     except SettingsError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
     spec = ClusterSpec(
         num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
         host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
-        model=args.model, num_threads=args.num_threads, worker_args=worker_args, log_dir=args.log_dir,
-        otlp_endpoint=args.otlp_endpoint,
+        model=args.model, num_threads=args.num_threads, worker_args=flags.worker, router_args=flags.router,
+        log_dir=args.log_dir, otlp_endpoint=args.otlp_endpoint,
         num_experts=args.experts, expert_replicas=args.expert_replicas, expert_transport=args.expert_transport,
-        expert_args=dtype_args,
+        expert_args=flags.expert,
     )  # fmt: skip
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:
         print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)

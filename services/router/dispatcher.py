@@ -1,5 +1,6 @@
 """One request through the mesh: hash the prompt's blocks, route, call the decode worker, detokenize
-incrementally, apply stop strings, and stream deltas back to the API layer.
+incrementally and apply stop strings (text/output_processor.py, as the offline engine does), and
+stream deltas back to the API layer.
 
 A worker that fails before sending any token is marked down and the request is retried on
 another one (up to `max_attempts`). A worker that fails (or gives the request up, as a draining
@@ -18,23 +19,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from moemesh.contracts.block_hash import HashExtra, hash_block_chain
+from moemesh.contracts.finish_reason import FinishReason, finish_reason_from_proto
+from moemesh.contracts.sampling import SamplingParams
+from moemesh.contracts.sampling_proto import sampling_to_proto
 from moemesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from moemesh.router.worker_pool import NoWorkerError, Route, WorkerPool
 from moemesh.runtime import telemetry
 from moemesh.runtime.grpc_util import ChannelPool
 from moemesh.runtime.metrics import RouterMetrics
-from moemesh.text.detokenizer import IncrementalDetokenizer
+from moemesh.text.errors import InvalidRequestError
+from moemesh.text.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                  common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
@@ -53,6 +56,16 @@ class RouterError(Exception):
 
 class InvalidRequest(RouterError):
     status, code, error_type = 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+
+
+@contextlib.contextmanager
+def invalid_request() -> Iterator[None]:
+    """The contracts' InvalidRequestError (a request the engine would refuse too) raised inside,
+    as InvalidRequest naming the same field."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        raise InvalidRequest(str(e), param=e.param) from None
 
 
 class ModelNotFound(RouterError):
@@ -83,7 +96,7 @@ class _WorkerLost(Exception):
 class _Stream:
     """What the client has been sent so far, across attempts and migrations."""
 
-    detok: IncrementalDetokenizer
+    output: OutputProcessor  # the text so far, carried over a migration
     sent: list[int] = field(default_factory=list)  # output token ids streamed
 
 
@@ -91,8 +104,7 @@ class _Stream:
 class GenerateInput:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: common_pb2.SamplingParams
-    stop: tuple[str, ...] = ()
+    params: SamplingParams  # checked (contracts/sampling.py); the stop strings are applied here
 
 
 @dataclass
@@ -100,7 +112,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far
     num_cached_tokens: int = 0
@@ -125,13 +137,13 @@ class Dispatcher:
     def block_chain(self, prompt_token_ids: list[int]):
         return hash_block_chain(prompt_token_ids, self.pool.block_size, self.extra)
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[Delta, None]:
         span = self._tracer.start_span("router.generate")
         span.set_attribute("moemesh.request_id", request.request_id)
         span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         ctx = telemetry.child_context(span)
-        stream = _Stream(IncrementalDetokenizer(self.tokenizer, request.stop, request.prompt_token_ids,
-                                                request.sampling.min_tokens))  # fmt: skip
+        params = request.params
+        stream = _Stream(OutputProcessor(self.tokenizer, params.stop, request.prompt_token_ids, params.min_tokens))
         try:
             chain = self.block_chain(request.prompt_token_ids)
             cached = await self.pool.cached_prefixes(chain)
@@ -184,14 +196,14 @@ class Dispatcher:
             span.end()
 
     async def _call(self, request: GenerateInput, route: Route, chain, cached, ctx,
-                    stream: _Stream) -> AsyncIterator[Delta]:  # fmt: skip
+                    stream: _Stream) -> AsyncGenerator[Delta, None]:  # fmt: skip
         """Deltas of one attempt; raises _WorkerLost when the worker fails in a way another worker
         can make up for (before the first token: a retry; after: a migration)."""
         worker = route.decode
         call_request = decode_pb2.WorkerGenerateRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
+            sampling=sampling_to_proto(request.params),
             prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
             resume_token_ids=stream.sent,
         )
@@ -224,9 +236,10 @@ class Dispatcher:
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
-                if FINISH_REASONS.get(message.finish_reason) == "abort":  # e.g. a draining worker gave it up
+                finish = finish_reason_from_proto(message.finish_reason)
+                if finish is FinishReason.ABORT:  # e.g. a draining worker gave it up
                     raise _WorkerLost(f"decode worker {worker.worker_id} aborted the request")
-                delta = self._delta(stream.detok, message, len(stream.sent), len(request.prompt_token_ids))
+                delta = self._delta(stream.output, message, finish, len(stream.sent), len(request.prompt_token_ids))
                 num_new += len(delta.token_ids)
                 stream.sent.extend(delta.token_ids)
                 yield delta
@@ -245,22 +258,18 @@ class Dispatcher:
         """Long prompts take long to prefill: the wait grows with the prompt."""
         return self.first_token_timeout_s + self.first_token_timeout_per_token_s * len(request.prompt_token_ids)
 
-    def _delta(self, detok, message, num_output: int, num_prompt: int) -> Delta:
-        token_ids, logprobs = [], []
-        finish = FINISH_REASONS.get(message.finish_reason)
-        for i, token_id in enumerate(message.token_ids):
-            detok.append(token_id)
-            token_ids.append(token_id)
-            if i < len(message.logprobs):
-                logprobs.append(message.logprobs[i])
-            if detok.stopped:
-                finish = "stop"
-                break
+    def _delta(
+        self, output: OutputProcessor, message, finish: FinishReason | None, num_output: int, num_prompt: int
+    ) -> Delta:
+        """The worker's message as text: tokens after one that completed a stop string are dropped
+        (the request ends there: leaving the stream cancels the worker's call)."""
+        out = output.process(message.token_ids, finish is not None)
+        token_ids = list(message.token_ids[: out.num_kept])
         return Delta(
-            text=detok.delta(finish is not None),
+            text=out.text,
             token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=finish,
+            logprobs=list(message.logprobs[: out.num_kept]),
+            finish_reason=FinishReason.STOP if out.stopped else finish,
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_output + len(token_ids),
             num_cached_tokens=min(message.num_cached_tokens, num_prompt),  # a resumed call counts sent tokens too

@@ -1,5 +1,7 @@
-"""What the HTTP and gRPC APIs share: the model's name and tokenizer, prompt checks, admission
-(max requests in flight) and running the choices of one API call (prompts x n) concurrently.
+"""What the HTTP and gRPC APIs share: the model's name and tokenizer, request checks (the engine's
+own: contracts/prompt_checks.py and contracts/sampling.py, raised here as InvalidRequest),
+admission (max requests in flight) and running the choices of one API call (prompts x n)
+concurrently.
 
 Tokenization and chat templating run on worker threads (the Rust tokenizer releases the GIL), so
 a huge prompt never stalls other streams; a text that cannot fit the context even at the
@@ -10,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from moemesh.contracts import prompt_checks
+from moemesh.contracts.sampling import SamplingParams
 from moemesh.router.dispatcher import (
     Delta,
     Dispatcher,
@@ -24,6 +28,7 @@ from moemesh.router.dispatcher import (
     RouterError,
     Unavailable,
     WorkerFailedError,
+    invalid_request,
 )
 from moemesh.router.tool_parsers import parser_for
 from moemesh.runtime.metrics import RouterMetrics
@@ -45,6 +50,7 @@ class Frontend:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.limits = prompt_checks.PromptLimits(max_model_len, vocab_size)  # the workers also know their round budget
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.in_flight = 0
@@ -65,8 +71,6 @@ class Frontend:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
         else:
             token_ids = list(prompt)
-            if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
-                raise InvalidRequest(f"token ids must be in [0, {self.vocab_size})", param="prompt")
         self.check_prompt(token_ids)
         return token_ids
 
@@ -97,32 +101,22 @@ class Frontend:
             raise InvalidRequest(f"{param} has {len(text)} characters, more than {self.max_model_len} tokens of "
                                  f"this model's context can hold", param=param)  # fmt: skip
 
-    def max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str = "max_tokens") -> int:
-        """The tokens to generate: `requested`, or the rest of the context when None. A request
-        that cannot fit the context is a 400 with both numbers (never silently cut)."""
-        room = self.max_model_len - num_prompt_tokens
-        if requested is None:
-            return room
-        if requested > room:
-            raise InvalidRequest(
-                f"this model's context holds {self.max_model_len} tokens, but the request needs "
-                f"{num_prompt_tokens + requested}: {num_prompt_tokens} in the prompt and {requested} to generate",
-                param=param,
-            )
-        return requested
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """The tokens to generate: `requested`, or the rest of the context when None (a request
+        that cannot fit the context is refused by `check_request`, never silently cut)."""
+        return requested if requested is not None else prompt_checks.room_to_generate(num_prompt_tokens, self.limits)
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
-        if not token_ids:
-            raise InvalidRequest("prompt must not be empty", param=param)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(token_ids)} tokens; the context holds {self.max_model_len}, leaving no room to "
-                "generate",
-                param=param,
-            )
+        with invalid_request():
+            prompt_checks.check_prompt(token_ids, self.limits, param=param)
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks of the prompt with these parameters (max_tokens within the context)."""
+        with invalid_request():
+            prompt_checks.check_request(token_ids, params, self.limits)
 
     # -- running ---------------------------------------------------------------------------
-    async def run(self, inputs: list[tuple[int, GenerateInput]]) -> AsyncIterator[ChoiceDelta]:
+    async def run(self, inputs: list[tuple[int, GenerateInput]]) -> AsyncGenerator[ChoiceDelta, None]:
         """Deltas of every choice as they come; `inputs` are (prompt index, input) in choice order.
         Leaving early cancels every choice. Raises Overloaded when too many are in flight."""
         if self.in_flight + len(inputs) > self.max_in_flight:
@@ -138,7 +132,7 @@ class Frontend:
             self.in_flight -= len(inputs)
             self.metrics.in_flight.set(self.in_flight)
 
-    async def _run_all(self, inputs: list[tuple[int, GenerateInput]]) -> AsyncIterator[ChoiceDelta]:
+    async def _run_all(self, inputs: list[tuple[int, GenerateInput]]) -> AsyncGenerator[ChoiceDelta, None]:
         if len(inputs) == 1:
             prompt_index, request = inputs[0]
             async with contextlib.aclosing(self._run_one(request)) as deltas:
@@ -172,7 +166,7 @@ class Frontend:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_one(self, request: GenerateInput) -> AsyncIterator[Delta]:
+    async def _run_one(self, request: GenerateInput) -> AsyncGenerator[Delta, None]:
         """One choice; its outcome counts in `moemesh:router_requests_total{outcome}`: finished,
         aborted (the client left), timeout (no first token), failed (a worker failed and the
         request could not move), unavailable, overloaded or invalid."""

@@ -7,12 +7,12 @@ import uuid
 
 import grpc
 
-from moemesh.proto.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from moemesh.contracts.finish_reason import finish_reason_to_proto
+from moemesh.contracts.sampling_proto import sampling_from_proto
+from moemesh.proto.v1 import generate_pb2, generate_pb2_grpc
 from moemesh.router.api_keys import ApiKeys
-from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError
+from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError, invalid_request
 from moemesh.router.frontend import Frontend
-
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
@@ -36,7 +36,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     )  # fmt: skip
                     first = False
                     if delta.finish_reason is not None:
-                        response.finish_reason = _FINISH.get(delta.finish_reason, common_pb2.FINISH_REASON_ABORT)
+                        response.finish_reason = finish_reason_to_proto(delta.finish_reason)
                         response.usage.CopyFrom(generate_pb2.Usage(
                             prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
                             cached_tokens=delta.num_cached_tokens))  # fmt: skip
@@ -54,15 +54,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         if kind is None:
             raise InvalidRequest("prompt is required (text or token_ids)", param="prompt")
         prompt = await frontend.tokenize(request.text if kind == "text" else list(request.token_ids.ids))
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        if sampling.max_tokens <= 0:
-            raise InvalidRequest(
-                f"max_tokens must be a positive integer, got {sampling.max_tokens}", param="max_tokens"
-            )
-        frontend.max_tokens(len(prompt), sampling.max_tokens)
-        if sampling.temperature < 0 or not 0 <= sampling.top_p <= 1:
-            raise InvalidRequest("temperature must be >= 0 and top_p in (0, 1]", param="sampling")
-        if not all(request.stop):
-            raise InvalidRequest("stop strings must be non-empty", param="stop")
-        return GenerateInput(request.request_id or uuid.uuid4().hex, prompt, sampling, tuple(request.stop))
+        with invalid_request():  # the workers' own conversion and checks
+            params = sampling_from_proto(request.sampling, tuple(request.stop))
+        frontend.check_request(prompt, params)
+        return GenerateInput(request.request_id or uuid.uuid4().hex, prompt, params)

@@ -16,6 +16,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from moemesh.router.dispatcher import GenerateInput, InvalidRequest, RouterError, Unavailable
+from moemesh.router.dispatcher import GenerateInput, RouterError, Unavailable
 from moemesh.router.frontend import ChoiceDelta, Frontend
 from moemesh.router.http_guard import GuardSettings, HttpGuard
 from moemesh.router.openai_protocol import (
@@ -35,6 +36,7 @@ from moemesh.router.openai_protocol import (
     error_body,
     new_id,
     now,
+    openai_finish_reason,
     usage,
 )
 from moemesh.router.tool_calls import ToolRequest, merge_pieces
@@ -102,6 +104,7 @@ def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = Gua
         if body.messages is not None:
             token_ids = await frontend.tokenize_chat(body.conversation(), body.add_generation_prompt)
         else:
+            assert body.prompt is not None  # body.check(): exactly one of the two
             token_ids = await frontend.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(token_ids), "max_model_len": frontend.max_model_len, "tokens": token_ids}
 
@@ -124,14 +127,13 @@ def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = Gua
     async def completions(body: CompletionRequest, request: Request):
         frontend.check_model(body.model)
         body.check_unsupported()
-        stop = body.stop_strings()
         prompts = [await frontend.tokenize(p) for p in body.prompts()]
-        inputs = _inputs(frontend, prompts, body, body.logprobs, stop)
+        inputs = _inputs(frontend, prompts, body, body.logprobs)
         meta = {"id": new_id("cmpl"), "created": now(), "model": frontend.model_name}
 
         def choice(index: int, text: str, logprobs, offset: int, finish) -> dict:
             lp = logprob_fmt.completion(logprobs, offset) if body.logprobs is not None else None
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": openai_finish_reason(finish)}
 
         if body.stream:
             return await _sse(request, frontend, inputs, body.include_usage, meta, "text_completion",
@@ -145,19 +147,18 @@ def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = Gua
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         frontend.check_model(body.model)
         body.check_unsupported()
-        stop = body.stop_strings()
         tools = ToolRequest(body.tools, body.tool_choice, body.parallel_tool_calls, frontend.tool_parser)
         prompt = await frontend.tokenize_chat(body.conversation(), tools=tools.prompt_tools())
-        inputs = _inputs(frontend, [prompt], body, body.num_logprobs(), stop, tools.constraint())
+        inputs = _inputs(frontend, [prompt], body, body.num_logprobs(), tools.constraint())
         meta = {"id": new_id("chatcmpl"), "created": now(), "model": frontend.model_name}
 
         if body.stream:
             started: set[int] = set()
-            readers: dict[int, object] = {}  # choice -> its tool-call stream reader
+            readers: dict[int, Any] = {}  # choice -> its tool-call stream reader
             called: set[int] = set()  # choices that streamed a tool call
 
             def chunk_choices(d: ChoiceDelta, offset: int) -> list[dict]:
-                finish = d.delta.finish_reason
+                finish = openai_finish_reason(d.delta.finish_reason)
                 if tools.active:
                     reader = readers.setdefault(d.index, tools.stream())
                     delta = merge_pieces(reader.feed(d.delta.text, finish is not None))
@@ -180,7 +181,7 @@ def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = Gua
         results = await _collect(request, frontend, inputs)
         choices = []
         for i, r in enumerate(results):
-            message, finish = {"role": "assistant", "content": r["text"]}, r["finish_reason"]
+            message, finish = {"role": "assistant", "content": r["text"]}, openai_finish_reason(r["finish_reason"])
             if tools.active:
                 content, calls = tools.parse(r["text"])
                 message["content"] = content
@@ -198,21 +199,18 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "moemesh"}
 
 
-def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | None, stop, constraint=None) -> list:
-    """`constraint`: a tool choice's StructuredOutput, exclusive with the body's own."""
+def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | None, constraint=None) -> list:
+    """One GenerateInput per choice, its parameters checked as the engine checks them.
+    `constraint`: a tool choice's StructuredOutput, exclusive with the body's own."""
     request_id = uuid.uuid4().hex
     inputs = []
     for p, prompt in enumerate(prompts):
         max_tokens = frontend.max_tokens(len(prompt), body.requested_max_tokens())
         for i in range(body.n):
-            choice = p * body.n + i
-            sampling = body.sampling(max_tokens, logprobs, i)
-            if constraint is not None:
-                if sampling.HasField("structured_output"):
-                    raise InvalidRequest("tool_choice 'required' or a named function cannot be combined with "
-                                         "response_format or guided decoding", param="tool_choice")  # fmt: skip
-                sampling.structured_output.CopyFrom(constraint)
-            inputs.append((p, GenerateInput(f"{request_id}-{choice}", prompt, sampling, stop)))
+            params = body.sampling_params(max_tokens, logprobs, i, constraint)
+            if i == 0:  # the choices differ in their seed only
+                frontend.check_request(prompt, params)
+            inputs.append((p, GenerateInput(f"{request_id}-{p * body.n + i}", prompt, params)))
     return inputs
 
 

@@ -51,7 +51,7 @@ class HttpGuard:
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_error(send, 413, self._too_large(int(length)), "invalid_request_error", None)
-        body = b""
+        body: bytes | None = b""
         if scope.get("method") in ("POST", "PUT", "PATCH"):  # read here, within the limit, then replayed
             body = await self._read_body(receive)
             if body is None:
@@ -83,7 +83,8 @@ class HttpGuard:
 
     async def _read_body(self, receive) -> bytes | None:
         """The whole body, or None as soon as it passes the limit."""
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":

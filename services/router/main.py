@@ -55,7 +55,10 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
     dispatcher = Dispatcher(pool, channels, tokenizer, extra, metrics,
                             first_token_timeout_s=settings.first_token_timeout_s,
                             max_migrations=settings.max_migrations)  # fmt: skip
-    vocab = int(checkpoint.hf_config.get("vocab_size") or tokenizer.vocab_size)
+    # the model's vocabulary (a checkpoint without a tokenizer still has its config's)
+    vocab = int(
+        checkpoint.hf_config.get("vocab_size") or (checkpoint.tokenizer.vocab_size if checkpoint.tokenizer else 0)
+    )
     frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight,
                         settings.tool_call_parser)  # fmt: skip
     return frontend, pool

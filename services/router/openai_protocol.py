@@ -3,8 +3,10 @@
 Strict like OpenAI's own API: an unknown field is a 400 naming it. The exceptions are the
 documented extras in `ACCEPTED_EXTRAS` (fields vLLM's and OpenAI's clients send), accepted only
 with a value that changes nothing here; any other value is a 400 saying it is not supported.
-Integers are range-checked here (never past protobuf's int32/int64), and every string is
-checked for unpaired UTF-16 surrogates (JSON allows `"\\ud800"`; UTF-8 cannot carry it).
+The sampling fields' bounds are the engine's (contracts/sampling.py `BOUNDS`, never past
+protobuf's int32/int64), and a request's sampling fields become the engine's `SamplingParams`
+(`sampling_params`), so the router refuses exactly what a worker would. Every string is checked
+for unpaired UTF-16 surrogates (JSON allows `"\\ud800"`; UTF-8 cannot carry it).
 Sampling follows vLLM: presence/frequency penalties, logit_bias, any number of stop strings, and
 vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids.
 Structured outputs: `response_format` and vLLM's `guided_*` / `structured_outputs`
@@ -17,16 +19,47 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moemesh.contracts.finish_reason import FinishReason
+from moemesh.contracts.sampling import BOUNDS, INT64_MIN, SamplingParams
+from moemesh.contracts.sampling_proto import structured_from_proto
 from moemesh.proto.v1 import common_pb2
-from moemesh.router.dispatcher import InvalidRequest
+from moemesh.router.dispatcher import InvalidRequest, invalid_request
 from moemesh.router.structured_request import structured_output
 
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+def bounded(name: str):
+    """The engine's bound of a field (contracts/sampling.py), as a pydantic constraint."""
+    bound = BOUNDS[name]
+    if bound.low_open:
+        return Field(gt=bound.low, le=bound.high)
+    return Field(ge=bound.low, le=bound.high)
+
+
+OPENAI_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def openai_finish_reason(reason: FinishReason | None) -> str | None:
+    """OpenAI's `finish_reason` (None while a stream goes on). An aborted request never reaches a
+    client (the router migrates it or fails the call); it would read as vLLM's "abort"."""
+    return None if reason is None else OPENAI_FINISH_REASONS[reason]
+
+
+# sampling fields that the engine's SamplingParams takes as they are
+_AS_THEY_ARE = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
 
 # Fields OpenAI's or vLLM's clients send that moemesh accepts only with these values (each
 # changes nothing here). Any other field not declared on the request model is a 400.
@@ -74,22 +107,22 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # extras: checked against ACCEPTED_EXTRAS in check_unsupported
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: Annotated[float, bounded("temperature")] = 1.0
+    top_p: Annotated[float, bounded("top_p")] = 1.0
+    top_k: Annotated[int, bounded("top_k")] = 0
+    min_p: Annotated[float, bounded("min_p")] = 0.0
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Annotated[int, bounded("seed")] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    stop_token_ids: list[Annotated[int, bounded("token_id")]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    presence_penalty: Annotated[float, bounded("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, bounded("frequency_penalty")] = 0.0
+    repetition_penalty: Annotated[float, bounded("repetition_penalty")] = 1.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    min_tokens: Annotated[int, bounded("min_tokens")] = 0
     user: str | None = None
     # structured outputs (router/structured_request.py)
     response_format: dict | None = None
@@ -98,12 +131,6 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
-
-    def stop_strings(self) -> tuple[str, ...]:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(stop):
-            raise InvalidRequest("stop strings must be non-empty", param="stop")
-        return tuple(stop)
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -118,38 +145,45 @@ class _SamplingFields(BaseModel):
             check_text(getattr(self, name), name)
 
     def token_biases(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (their range and the biases': SamplingParams)."""
         biases = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) > INT32_MAX or not -100 <= bias <= 100:
-                raise InvalidRequest(
-                    f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}", param="logit_bias"
-                )
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise InvalidRequest(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
             biases[int(key)] = bias
         return biases
 
-    def sampling(self, max_tokens: int, logprobs: int | None, choice: int) -> common_pb2.SamplingParams:
-        params = common_pb2.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-            max_tokens=max_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or (),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=self.token_biases(), min_tokens=self.min_tokens,
-        )  # fmt: skip
-        if self.repetition_penalty != 1.0:
-            params.repetition_penalty = self.repetition_penalty
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, choice: int, tool_constraint: common_pb2.StructuredOutput | None
+    ) -> SamplingParams:
+        """The engine's parameters of choice `choice` (InvalidRequest naming a field out of bounds).
+        `tool_constraint`: a tool choice's grammar, exclusive with the body's own."""
         guided = {
             name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
         }
         constraint = structured_output(self.response_format, guided, self.structured_outputs)
-        if constraint is not None:
-            params.structured_output.CopyFrom(constraint)
-        if self.min_tokens > max_tokens:
-            raise InvalidRequest(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})",
-                                 param="min_tokens")  # fmt: skip
-        if self.seed is not None:  # n > 1: distinct but reproducible choices (wrapping within int64)
-            params.seed = (self.seed + choice - INT64_MIN) % 2**64 + INT64_MIN
-        if logprobs is not None:
-            params.logprobs = logprobs
-        return params
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise InvalidRequest(
+                    "tool_choice 'required' or a named function cannot be combined with response_format or guided "
+                    "decoding",
+                    param="tool_choice",
+                )
+            constraint = tool_constraint
+        seed = self.seed
+        if seed is not None:  # n > 1: distinct but reproducible choices (wrapping within int64)
+            seed = (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
+        with invalid_request():
+            return SamplingParams(
+                **{name: getattr(self, name) for name in _AS_THEY_ARE},
+                seed=seed,
+                max_tokens=max_tokens,
+                stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=logprobs,
+                logit_bias=tuple(self.token_biases().items()),
+                structured_output=structured_from_proto(constraint) if constraint is not None else None,
+            )
 
     @property
     def include_usage(self) -> bool:
@@ -178,8 +212,8 @@ def check_text(value, param: str) -> None:
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)  # OpenAI's and vLLM's completions default; bounded by the context
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: Annotated[int, bounded("max_tokens")] = 16  # OpenAI's and vLLM's default
+    logprobs: Annotated[int, bounded("logprobs")] | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -201,8 +235,8 @@ class CompletionRequest(_SamplingFields):
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+            return [cast(list[int], list(prompt))]
+        return cast(list[str | list[int]], list(prompt))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -230,10 +264,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context, as vLLM
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, bounded("max_tokens")] | None = None  # None: the rest of the context
+    max_completion_tokens: Annotated[int, bounded("max_tokens")] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, bounded("logprobs")] | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
@@ -276,13 +310,13 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    tokens: list[Annotated[int, bounded("token_id")]]
 
 
 def _conversation(messages: list[ChatMessage]) -> list[dict]:
     conversation = []
     for m in messages:
-        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
             message["content"] = m.text() if m.content is not None else None

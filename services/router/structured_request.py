@@ -82,4 +82,6 @@ def _constraint(kind: str, value: object, param: str) -> common_pb2.StructuredOu
         return common_pb2.StructuredOutput(choice=common_pb2.StructuredOutput.Choices(choices=value))
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{kind} must be a non-empty string", param=param)
-    return common_pb2.StructuredOutput(**{kind: value})
+    if kind == "regex":
+        return common_pb2.StructuredOutput(regex=value)
+    return common_pb2.StructuredOutput(grammar=value)

@@ -46,7 +46,7 @@ class ToolRequest:
         return [{"type": "function", "function": f} for f in self.functions.values()] if self.active else None
 
     def constraint(self) -> common_pb2.StructuredOutput | None:
-        if self.choice == "named":
+        if self.named is not None:  # choice "named"
             return common_pb2.StructuredOutput(json_schema=json.dumps(_parameters(self.functions[self.named])))
         if self.choice == "required":
             calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
@@ -60,7 +60,7 @@ class ToolRequest:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished reply."""
-        if self.choice == "named":
+        if self.named is not None:  # choice "named"
             return None, [ToolCall(self.named, text)]
         if self.choice == "required":
             try:
@@ -73,7 +73,7 @@ class ToolRequest:
 
     def stream(self):
         """A per-choice reader: `feed(delta, finished)` -> OpenAI delta pieces."""
-        if self.choice == "named":
+        if self.named is not None:  # choice "named"
             return _NamedStream(self.named)
         if self.choice == "required":
             return _WholeStream(self)

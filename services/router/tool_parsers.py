@@ -142,9 +142,10 @@ class Llama3JsonParser:
         if not stripped.startswith("{"):
             return text, []
         calls = [_call_from_json(part, "parameters") for part in stripped.split(";")]
-        if not calls or None in calls:
+        found = [c for c in calls if c is not None]
+        if not found or len(found) < len(calls):
             return text, []
-        return None, calls
+        return None, found
 
     def stream(self) -> Llama3JsonStream:
         return Llama3JsonStream(self)

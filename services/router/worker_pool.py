@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -214,7 +214,7 @@ class WorkerPool:
             self.redis_ok = False
 
     # -- routing ---------------------------------------------------------------------------
-    def live(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[WorkerState]:
+    def live(self, roles: tuple[str, ...], exclude: Collection[str] = frozenset()) -> list[WorkerState]:
         now = self.clock()
         return [
             w
@@ -236,7 +236,7 @@ class WorkerPool:
         return cached
 
     def choose(self, chain: Sequence[BlockHash], num_prompt_tokens: int, cached: dict[str, int],
-               exclude: set[str] = frozenset()) -> Route:  # fmt: skip
+               exclude: Collection[str] = frozenset()) -> Route:  # fmt: skip
         """Pure decision over the current view (no I/O); raises NoWorkerError."""
         decode = self.live(DECODE_ROLES, exclude)
         if not decode:

@@ -2,7 +2,8 @@
 the command line and the environment. Nothing else in the services reads the environment.
 
 Precedence: command-line flag > mesh config file (`--config`, the operator's ConfigMap
-`mesh.json`: mesh, model {name, source}, redis_url, ports {grpc, http, metrics}) > default.
+`mesh.json`: mesh, model {name, source}, redis_url, ports {grpc, http, metrics}; engine and
+roles.<role>.engine, read by `moemesh.runtime.engine_args`) > default.
 Environment (Kubernetes downward API / Secret): POD_NAME (service id), POD_IP (advertised host),
 MOEMESH_REDIS_PASSWORD, OTEL_EXPORTER_OTLP_ENDPOINT (the OTLP collector, if no flag names one).
 
@@ -92,7 +93,8 @@ def served_model_name(override: str | None, path: str) -> str:
 
 
 def add_common_arguments(parser) -> None:
-    """The `moemesh serve` flags of every role."""
+    """The `moemesh serve` flags of every role (the engine's, --model, --block-size, ..., are
+    generated from its definition: `moemesh.runtime.engine_args`)."""
     parser.add_argument("--config", default=None, help="mesh config JSON (the operator mounts /etc/moemesh/mesh.json)")
     parser.add_argument("--mesh", default=None, help="mesh id (Redis key namespace); default 'local'")
     parser.add_argument("--redis-url", default=None)
@@ -107,14 +109,11 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=None,
                         help="on SIGTERM: stop taking requests and let in-flight ones finish this long (default 30; "
                              "the router migrates what is left)")  # fmt: skip
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default=None, help="bind address (default 0.0.0.0)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (router: client API, 0 = off)")
     parser.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = off; default 9090)"
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--worker-id", default=None, help="registry id (default: $POD_NAME or role-host-random)")
     parser.add_argument("--advertise-host", default=None, help="host in the registry (default: $POD_IP or 127.0.0.1)")
 

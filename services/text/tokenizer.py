@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any, cast
 
 from moemesh.text.errors import InvalidRequestError, ModelLoadError
 from moemesh.text.tool_prompt import with_tools
@@ -38,7 +39,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.chat_template = chat_template
-        self._template = None
+        self._template: Any = None  # the jinja2 template, compiled on first use
 
     @property
     def eos_token_id(self) -> int | None:
@@ -147,7 +148,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]
         return token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
 
     vocab = {respell(t): i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ")) for m in merges]
+    pairs = [cast(tuple[str, str], tuple(m.split(" "))) for m in merges]
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     if split_regex is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -25,7 +25,7 @@ _SYSTEM = (
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and "tools" in chat_template
+    return chat_template is not None and "tools" in chat_template
 
 
 def with_tools(messages: list[dict], tools: list[dict] | None, chat_template: str | None) -> tuple[list[dict], dict]:

@@ -1,51 +1,13 @@
 """proto <-> engine translation shared by the worker servicers and the KV transport (no logic
-beyond mapping). Only workers import it: the router and the operator use the contracts alone."""
+beyond mapping). Only workers import it: the router and the operator use the contracts alone.
+Sampling parameters and finish reasons are the contracts' (contracts/sampling_proto.py,
+contracts/finish_reason.py), converted there for the router and the workers alike."""
 
 from __future__ import annotations
 
 from moemesh.engine.connectors.kv_transfer import KVLayout
 from moemesh.engine.core.request import Logprob
-from moemesh.engine.errors import InvalidRequestError
-from moemesh.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from moemesh.proto.v1 import common_pb2, prefill_pb2, telemetry_pb2
-
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises InvalidRequestError (-> INVALID_ARGUMENT) on out-of-range values."""
-    return SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p if p.top_p > 0 else 1.0,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-        logit_bias=dict(p.logit_bias),
-        min_tokens=p.min_tokens,
-        structured_output=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
-    )
-
-
-def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutputSpec:
-    kind = p.WhichOneof("kind")
-    if kind == "choice":
-        return StructuredOutputSpec("choice", choices=tuple(p.choice.choices))
-    if kind == "json_object":
-        return StructuredOutputSpec("json_object")
-    if kind is None:
-        raise InvalidRequestError("structured_output names no constraint", param="response_format")
-    return StructuredOutputSpec("json" if kind == "json_schema" else kind, getattr(p, kind))
 
 
 def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:

@@ -1,5 +1,6 @@
 """What both worker servicers do with a call before and around the engine: refuse while the model
-loads, parse the sampling parameters, and map the engine's errors onto gRPC status codes.
+loads, parse the sampling parameters (with the checks the router applied: contracts/sampling.py),
+and map the engine's errors onto gRPC status codes.
 
     InvalidRequestError   -> INVALID_ARGUMENT (the bad field in trailing metadata `moemesh-param`)
     EngineDeadError       -> UNAVAILABLE (the router retries elsewhere)
@@ -12,11 +13,11 @@ import contextlib
 
 import grpc
 
+from moemesh.contracts.sampling import SamplingParams
+from moemesh.contracts.sampling_proto import sampling_from_proto
 from moemesh.engine.async_engine import AsyncEngine, EngineDeadError
 from moemesh.engine.errors import ExpertUnavailableError, InvalidRequestError
-from moemesh.engine.sampling_params import SamplingParams
 from moemesh.proto.v1 import common_pb2
-from moemesh.worker.convert import sampling_from_proto
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, error: InvalidRequestError) -> None:

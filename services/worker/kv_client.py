@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from moemesh.engine.connectors.kv_transfer import FirstToken, KVPiece, KVTransferError, KVTransport, RemotePrefillTask
+from moemesh.engine.connectors.base import FirstToken
+from moemesh.engine.connectors.kv_transfer import KVPiece, KVTransferError, KVTransport, RemotePrefillTask
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc
 from moemesh.runtime.grpc_util import ChannelPool
 from moemesh.worker.convert import layout_to_proto, logprob_from_proto

@@ -14,6 +14,7 @@ cancelled, which aborts them and frees their blocks), stop the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import redis
@@ -22,9 +23,13 @@ from prometheus_client import start_http_server
 from moemesh.contracts import redis_client, registry
 from moemesh.contracts.prefix_index import PrefixIndex
 from moemesh.engine.async_engine import AsyncEngine
+from moemesh.engine.connectors.base import KVConnector
+from moemesh.engine.connectors.kv_transfer import NullKVTransport
+from moemesh.engine.connectors.remote_prefill import RemotePrefillConnector
 from moemesh.expert.client.attach import NoRemoteExperts, RemoteExperts
 from moemesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from moemesh.runtime import telemetry
+from moemesh.runtime.engine_config import EngineConfig, with_default_model
 from moemesh.runtime.grpc_util import AdmissionGate, ChannelPool, HealthReporter, create_server
 from moemesh.runtime.lifecycle import serve_until_signalled
 from moemesh.runtime.metrics import WorkerMetrics
@@ -39,34 +44,18 @@ from moemesh.worker.settings import EngineSettings, WorkerSettings
 logger = logging.getLogger(__name__)
 
 
-def engine_config(settings: EngineSettings, remote_experts: bool = False):
-    """The worker engine's EngineConfig (raises ConfigError for values the engine rejects).
-    With `remote_experts` the routed experts' weights are not loaded (expert workers hold them)."""
-    from moemesh.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from moemesh.engine.loader import default_model_path
-
-    return EngineConfig(
-        model=ModelConfig(
-            settings.model or default_model_path(),
-            settings.dtype,
-            settings.device,
-            settings.max_model_len,
-            settings.seed,
-            load_routed_experts=not remote_experts,
-            micro_batch_overlap=settings.micro_batch_overlap,
-        ),  # fmt: skip
-        cache=CacheConfig(settings.block_size, settings.num_blocks, settings.kv_memory_gib),
-        scheduler=SchedulerConfig(
-            settings.max_num_seqs, settings.max_num_batched_tokens, async_scheduling=settings.async_scheduling
-        ),
-        spec=settings.speculation.spec_config(),
-    )
+def engine_config(settings: EngineSettings, remote_experts: bool = False) -> EngineConfig:
+    """The worker engine's EngineConfig: its settings' (validated when they were resolved), the
+    model unset: the default model. With `remote_experts` the routed experts' weights are not
+    loaded (expert workers hold them)."""
+    config = with_default_model(settings.config)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, load_routed_experts=not remote_experts))
 
 
-def build_engine(settings: EngineSettings, remote_experts: bool = False):
+def build_engine(settings: EngineSettings, remote_experts: bool = False, kv_connector: KVConnector | None = None):
     from moemesh.engine.llm_engine import LLMEngine
 
-    return LLMEngine(engine_config(settings, remote_experts), show_progress=False)
+    return LLMEngine(engine_config(settings, remote_experts), show_progress=False, kv_connector=kv_connector)
 
 
 class Worker:
@@ -88,10 +77,14 @@ class Worker:
         s = self.settings
         loop = asyncio.get_running_loop()
         self.engine = AsyncEngine(
-            lambda: build_engine(s.engine, s.expert.remote), loop, s.engine.num_threads, self._on_kv_events
+            lambda: build_engine(s.engine, s.expert.remote, self.kv_connector),
+            loop,
+            s.engine.num_threads,
+            self._on_kv_events,
         )
         model_name = served_model_name(s.served_model_name, s.engine.model or default_model_path())
         self.metrics = WorkerMetrics(model_name, s.worker_id, lambda: self.engine.stats)
+        self.kv_connector = self._kv_connector()  # before the engine thread builds the engine with it
         names, new_work = [], []
         if s.role in ("decode", "both"):
             names.append(decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
@@ -138,17 +131,26 @@ class Worker:
             await self._shutdown(server, metrics_server)
         return 0
 
+    def _kv_connector(self) -> RemotePrefillConnector:
+        """P/D: a decode end ('decode', 'both') fetches remote KV over gRPC; a prefill end hands
+        its KV out through its servicer ('both' does both, also for itself)."""
+        s = self.settings
+        transport = GrpcKVTransport(self.channels) if s.role in ("decode", "both") else NullKVTransport()
+        return RemotePrefillConnector(
+            transport, self.metrics, s.kv_transfer_timeout_s, s.kv_transfer_timeout_per_token_s
+        )
+
     def _add_servicers(self, server) -> None:
         s = self.settings
         if s.role in ("decode", "both"):
             decode = DecodeServicer(
-                self.engine, GrpcKVTransport(self.channels), s.worker_id, s.role, self.metrics,
-                s.min_remote_prefill_tokens, s.kv_transfer_timeout_s, s.kv_transfer_timeout_per_token_s,
-                s.max_queued_requests,
-            )  # fmt: skip
+                self.engine, s.worker_id, s.role, self.metrics, s.min_remote_prefill_tokens, s.max_queued_requests
+            )
             decode_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         if s.role in ("prefill", "both"):
-            prefill = PrefillServicer(self.engine, s.worker_id, s.role, self.metrics, s.kv_chunk_bytes)
+            prefill = PrefillServicer(
+                self.engine, self.kv_connector, s.worker_id, s.role, self.metrics, s.kv_chunk_bytes
+            )
             prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
 
     def _on_kv_events(self, events) -> None:

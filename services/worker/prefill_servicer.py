@@ -1,9 +1,10 @@
 """PrefillWorker gRPC servicer: translation between proto and the engine only.
 
-Prefill(request): run the prompt as a 1-token request that hands out its KV from
-`kv_export_start` (= the decode worker's computed tokens) as its chunked prefill progresses;
-stream each round's KV at once as KVChunks (whole tokens, at most the chunk size each), then a
-PrefillDone with the first token. A cancelled call aborts the request (blocks freed).
+Prefill(request): run the prompt as a 1-token request with `KVExportParams` from the decode
+worker's computed tokens: the KV connector (engine/connectors/remote_prefill.py) hands out its KV
+as its chunked prefill progresses (`ExportedKV` events). Stream each round's KV at once as KVChunks
+(whole tokens, at most the chunk size each), then a PrefillDone with the first token. A cancelled
+call aborts the request (blocks freed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import time
 import grpc
 
 from moemesh.engine.async_engine import AsyncEngine
-from moemesh.engine.connectors.kv_transfer import ExportedKV, FirstToken, split_kv
+from moemesh.engine.connectors.base import FirstToken
+from moemesh.engine.connectors.kv_transfer import ExportedKV, split_kv
+from moemesh.engine.connectors.remote_prefill import KVExportParams, RemotePrefillConnector
 from moemesh.proto.v1 import prefill_pb2, prefill_pb2_grpc, telemetry_pb2
 from moemesh.runtime import telemetry
 from moemesh.runtime.metrics import WorkerMetrics
@@ -23,8 +26,17 @@ from moemesh.worker.grpc_status import admit, engine_errors_as_status
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: AsyncEngine, worker_id: str, role: str, metrics: WorkerMetrics, chunk_bytes: int):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        connector: RemotePrefillConnector,
+        worker_id: str,
+        role: str,
+        metrics: WorkerMetrics,
+        chunk_bytes: int,
+    ):
         self.engine = engine
+        self.connector = connector  # the engine's, for the KV layout
         self.worker_id = worker_id
         self.role = role
         self.metrics = metrics
@@ -33,7 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         sampling = await admit(self.engine, request.sampling, context)
-        layout = self.engine.engine.kv_layout
+        layout = self.connector.layout
         if layout_from_proto(request.layout) != layout:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV layout mismatch: this worker has {layout}")  # fmt: skip
@@ -46,7 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         events = self.engine.generate(  # own id space: a 'both' worker may prefill for itself
             f"{request.request_id}/prefill", list(request.prompt_token_ids), params,
-            kv_export_start=request.num_computed_tokens,
+            kv_transfer_params=KVExportParams(request.num_computed_tokens),
         )  # fmt: skip
         num_bytes = 0
         try:

@@ -1,5 +1,7 @@
-"""Worker settings (`moemesh serve --role prefill|decode|both|expert`): engine, speculation,
-KV transfer and expert options."""
+"""Worker settings (`moemesh serve --role prefill|decode|both|expert`): the engine's config
+(resolved from the one definition, `moemesh.runtime.engine_config`), KV transfer and expert
+options. The engine's flags are generated (`moemesh.runtime.engine_args`); this module adds the
+worker's own."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from moemesh.expert.settings import EXPERT_DIST_BACKENDS, EXPERT_TRANSPORTS, ExpertSettings
+from moemesh.runtime import engine_args
+from moemesh.runtime.engine_config import DTYPES, EngineConfig
 from moemesh.runtime.settings import (
     MeshSettings,
     check,
@@ -21,88 +25,41 @@ from moemesh.runtime.settings import (
 )
 
 WORKER_ROLES = ("prefill", "decode", "both", "expert")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # = moemesh.engine.config's dtypes (no torch import here)
-SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
-SPECULATIVE_SCHEDULING = ("fixed", "confidence")
-MICRO_BATCH_OVERLAP = {"auto": None, "on": True, "off": False}  # --micro-batch-overlap -> ModelConfig
-
-
-@dataclass(frozen=True)
-class SpeculationSettings:
-    """Speculative decoding of a decode worker or `moemesh generate` (see SpecConfig)."""
-
-    method: str = "none"
-    num_speculative_tokens: int = 4
-    scheduling: str = "confidence"
-    draft_model: str | None = None  # GGUF / HF dir sharing the target's tokenizer (method draft)
-
-    def __post_init__(self):
-        method, draft = self.method, self.draft_model
-        check(method in SPECULATIVE_METHODS,
-               f"--speculative-method must be one of {SPECULATIVE_METHODS}, got {method!r}")  # fmt: skip
-        scheduling = self.scheduling
-        check(scheduling in SPECULATIVE_SCHEDULING,
-               f"--speculative-scheduling must be one of {SPECULATIVE_SCHEDULING}, got {scheduling!r}")  # fmt: skip
-        k = self.num_speculative_tokens
-        check(1 <= k <= 16, f"--num-speculative-tokens must be in [1, 16], got {k}")
-        if method == "draft":
-            check(bool(draft), "--speculative-method draft needs --draft-model PATH (a GGUF file or HF directory)")
-            check(os.path.exists(draft), f"--draft-model {draft!r} does not exist")
-        else:
-            check(not draft, f"--draft-model is only used with --speculative-method draft, not {method!r}")
-
-    def spec_config(self):
-        """The engine's SpecConfig for these settings."""
-        from moemesh.engine.config import SpecConfig
-
-        return SpecConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
-                          scheduling=self.scheduling, draft_model=self.draft_model)  # fmt: skip
-
-
-def speculation_settings(args) -> SpeculationSettings:
-    return SpeculationSettings(
-        method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        scheduling=args.speculative_scheduling,
-        draft_model=args.draft_model,
-    )
-
-
-def add_speculation_arguments(parser) -> None:
-    """`--speculative-*` and `--draft-model` (moemesh generate, decode / both workers)."""
-    parser.add_argument(
-        "--speculative-method",
-        default="none",
-        choices=SPECULATIVE_METHODS,
-        help="draft tokens by prompt n-gram lookup, with a draft model, or with the model's own "
-        "multi-token-prediction layer (mtp: DeepSeek-V3 checkpoints) (default none)",
-    )
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per request and round (1-16)")
-    parser.add_argument(
-        "--speculative-scheduling",
-        default="confidence",
-        choices=SPECULATIVE_SCHEDULING,
-        help="verify every draft (fixed) or DSpark's confidence-scheduled prefix (default)",
-    )
-    parser.add_argument("--draft-model", default=None, help="draft GGUF / HF dir sharing the target's tokenizer")
+DTYPE_CHOICES = DTYPES
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    model: str | None = None  # GGUF / HF dir; None: the default SmolLM2
-    dtype: str = "auto"  # engine/dtype.py: bfloat16 with native bf16 (or on GPU), else float32
-    device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_memory_gib: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    async_scheduling: bool = True  # execution overlap (off with speculation)
-    max_model_len: int | None = None
+    """A worker's engine: its EngineConfig, resolved for the worker's role (flag > mesh config >
+    default; the model unset: the default model), and the torch threads of the engine thread (a
+    process setting, not the engine's). An expert worker reads model, dtype, device, threads."""
+
+    config: EngineConfig = field(default_factory=EngineConfig)
     num_threads: int | None = None  # torch intra-op threads of the engine thread
-    micro_batch_overlap: bool | None = None  # MoE ping-pong micro-batches; None: with remote experts
-    seed: int = 0
-    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+
+    @property
+    def model(self) -> str | None:
+        return self.config.model.model
+
+    @property
+    def dtype(self) -> str:
+        return self.config.model.dtype
+
+    @property
+    def device(self) -> str:
+        return self.config.model.device
+
+
+def engine_settings(args, config: dict, role: str) -> EngineSettings:
+    """The engine options of `role` from the flags and the mesh config (SettingsError names the flag
+    or the mesh config key of a bad value); a draft model must exist here."""
+    engine = engine_args.resolve(args, config, role, fixed={"model": model_path(args, config)})
+    draft = engine.spec.draft_model
+    if draft is not None:
+        check(
+            os.path.exists(draft), f"{engine_args.source(args, config, role, 'draft_model')} {draft!r} does not exist"
+        )
+    return EngineSettings(config=engine, num_threads=args.num_threads)
 
 
 @dataclass(frozen=True)
@@ -130,7 +87,7 @@ class WorkerSettings:
         check(0 < self.kv_chunk_bytes <= 3 << 20, f"kv_chunk_bytes must be in (0, 3 MiB], got {self.kv_chunk_bytes}")
         check(self.min_remote_prefill_tokens >= 1, "min_remote_prefill_tokens must be >= 1")
         check(0 <= self.data_port <= 65535, f"data port must be in [0, 65535], got {self.data_port}")
-        spec = self.engine.speculation
+        spec = self.engine.config.spec
         check(
             not (self.expert.remote and spec.method != "none" and spec.scheduling == "confidence"),
             "--speculative-scheduling confidence is not available with remote experts (its cost table is "
@@ -166,21 +123,7 @@ def worker_settings(args, env: Mapping[str, str] = os.environ) -> WorkerSettings
         kv_chunk_bytes=args.kv_chunk_bytes,
         max_queued_requests=args.max_queued_requests,
         mesh=mesh_settings(args, config, env),
-        engine=EngineSettings(
-            model=model_path(args, config),
-            dtype=pick(args.dtype, (config.get("model") or {}).get("dtype"), "auto"),
-            device=args.device,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_memory_gib=args.kv_memory_gib,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            async_scheduling=not args.no_async_scheduling,
-            max_model_len=args.max_model_len,
-            num_threads=args.num_threads,
-            micro_batch_overlap=MICRO_BATCH_OVERLAP[args.micro_batch_overlap],
-            speculation=speculation_settings(args) if role in ("decode", "both") else SpeculationSettings(),
-        ),
+        engine=engine_settings(args, config, role),
         expert=expert_settings(args, config),
         served_model_name=(config.get("model") or {}).get("name"),
     )
@@ -202,29 +145,7 @@ def expert_settings(args, config: dict) -> ExpertSettings:
 
 def add_worker_arguments(parser) -> None:
     worker = parser.add_argument_group("prefill / decode workers")
-    worker.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPE_CHOICES,
-        help="auto (default; the mesh's model.dtype when set): bfloat16 where the CPU has native bf16 (or on GPU), "
-        "else float32",
-    )
-    worker.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
-    worker.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: by memory)")
-    worker.add_argument("--kv-memory-gib", type=float, default=1.0)
-    worker.add_argument("--max-num-seqs", type=int, default=64)
-    worker.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    worker.add_argument(
-        "--no-async-scheduling", action="store_true", help="run rounds one after another (no execution overlap)"
-    )
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine")
-    worker.add_argument(
-        "--micro-batch-overlap",
-        default="auto",
-        choices=sorted(MICRO_BATCH_OVERLAP),
-        help="MoE models: run each round as two micro-batches so one's attention overlaps the "
-        "other's routed experts (auto: with --remote-experts, on where measured faster)",
-    )
     worker.add_argument(
         "--min-remote-prefill-tokens",
         type=int,
@@ -238,7 +159,6 @@ def add_worker_arguments(parser) -> None:
     worker.add_argument("--kv-transfer-timeout-per-token", type=float, default=0.02)
     worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)
-    add_speculation_arguments(parser.add_argument_group("speculative decoding (decode / both workers)"))
     expert = parser.add_argument_group("expert workers / remote experts")
     expert.add_argument(
         "--remote-experts",

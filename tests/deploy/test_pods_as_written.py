@@ -185,14 +185,16 @@ def save_word_tokenizer(path: str, vocab_size: int) -> None:
 
 def deepseek_mesh(docs: list[dict], name: str, claim: str, path: str) -> dict:
     """The chart's mesh, renamed, on a tiny DeepSeek-V3 from a PVC: 1 prefill, 2 decode, 2 expert pods,
-    the torch-dist expert transport."""
+    the torch-dist expert transport; engine settings for the mesh (float32, the router's and workers'
+    context length) and the decode pods' own."""
     mesh = json.loads(json.dumps(one(docs, "InferenceMesh")))
     mesh["metadata"].update(name=name, uid=f"uid-{name}", generation=1, resourceVersion="1")
     spec = mesh["spec"]
     spec["model"] = {"name": "tiny-deepseek", "source": {"pvc": {"claimName": claim, "path": path}},
-                     "numMoeLayers": 2, "numExperts": 16, "numExpertGroups": 4, "dtype": "float32"}  # fmt: skip
+                     "numMoeLayers": 2, "numExperts": 16, "numExpertGroups": 4}  # fmt: skip
+    spec["engine"] = {"dtype": "float32", "maxModelLen": 256}
     spec["prefill"] = {**spec["prefill"], "replicas": 1}
-    spec["decode"] = {**spec["decode"], "replicas": 2, "minReplicas": 2}
+    spec["decode"] = {**spec["decode"], "replicas": 2, "minReplicas": 2, "engine": {"maxNumSeqs": 8}}
     spec["expert"] = {"replicas": 2}
     spec["expertTransport"] = "torch-dist"
     return mesh

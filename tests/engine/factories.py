@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moemesh.contracts.block_hash import HashExtra
 from moemesh.engine.config import SchedulerConfig
+from moemesh.engine.connectors.base import KVConnector
 from moemesh.engine.core.kv_cache_manager import KVCacheManager
 from moemesh.engine.core.request import Request
 from moemesh.engine.core.scheduler import Scheduler
@@ -31,6 +32,7 @@ def make_scheduler(
     chunked: bool = True,
     caching: bool = True,
     max_model_len: int = 1024,
+    kv_connector: KVConnector | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked)
-    return Scheduler(config, make_kv(num_blocks, block_size, caching), max_model_len)
+    return Scheduler(config, make_kv(num_blocks, block_size, caching), max_model_len, kv_connector)

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from moemesh import LLM, SamplingParams
+from moemesh.engine.outputs import OutputCollector
 
 from .factories import make_request, make_scheduler
 
@@ -88,16 +89,16 @@ def test_aborts_arriving_mid_round_free_their_blocks_and_spare_the_others(engine
     params = SamplingParams(temperature=0.0, max_tokens=16)
     expected = {o.prompt_token_ids[-1]: o.token_ids for o in sequential.generate(PROMPTS[:4], params)}
     ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
-    outputs = {}
+    outputs, collector = {}, OutputCollector()  # the engine's deltas, added up per request
     for round_index in range(6):
-        for out in engine.step():
+        for out in collector.add(engine.step()):
             outputs[out.request_id] = out
         if round_index == 2:  # two rounds in flight or queued: abort one running, one not yet decoding
             assert engine._in_flight
-            for out in engine.abort_request([ids[1], ids[3]]):
+            for out in collector.add(engine.abort_request([ids[1], ids[3]])):
                 outputs[out.request_id] = out
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in collector.add(engine.step()):
             outputs[out.request_id] = out
     assert outputs[ids[1]].finish_reason == outputs[ids[3]].finish_reason == "abort"
     for i in (0, 2):

@@ -45,14 +45,16 @@ def test_stop_strings_cut_the_text_exactly(smollm, hf_tokenizer):
 
 def test_streamed_deltas_add_up_to_the_final_text(smollm):
     engine = smollm.engine
-    engine.add_request("Write a short poem about the sea.", SamplingParams(temperature=0.0, max_tokens=30, stop=("waves",)),
-                       request_id="stream")  # fmt: skip
-    pieces, final = [], None
+    prompt = "Write a short poem about the sea."
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop=("waves",))
+    engine.add_request(prompt, params, request_id="stream")
+    pieces, last = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
             pieces.append(out.new_text)
-            final = out
-    assert final.finished and "".join(pieces) == final.text
+            last = out
+    (final,) = smollm.generate(prompt, params)  # the offline API's whole output
+    assert last.finished and "".join(pieces) == final.text
     assert "waves" not in final.text
 
 

@@ -1,41 +1,67 @@
-"""The engine hooks of disaggregated serving: a request parked for remote KV (blocks allocated,
-nothing computed), finished with injected KV + first token, or falling back to a local prefill;
-a prefill request that keeps its blocks until its KV is exported; KV events for the index."""
+"""The disaggregated-serving connector (connectors/remote_prefill.py) at the scheduler's hooks: a
+request parked for remote KV (blocks allocated, nothing computed), finished with injected KV + first
+token, or falling back to a local prefill; a prefill request that keeps its blocks until its KV is
+exported; KV events for the index."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from moemesh.engine.connectors.kv_transfer import RemoteKV
-from moemesh.engine.core.request import RemotePrefillParams, RequestStatus
+from moemesh.engine.connectors.base import KVCacheGroup, KVCaches, KVLoadStarted, NullConnector
+from moemesh.engine.connectors.kv_transfer import ExportedKV, FirstToken, KVPiece, RemoteKV
+from moemesh.engine.connectors.remote_prefill import KVExportParams, RemotePrefillConnector, RemotePrefillParams
+from moemesh.engine.core.request import RequestStatus
 from moemesh.engine.sampling_params import SamplingParams
 from tests.engine.factories import make_request, make_scheduler
 
 
 def remote_request(request_id: str, num_tokens: int, min_remote_tokens: int = 1, start: int = 0):
     request = make_request(request_id, num_tokens, start=start, max_tokens=4)
-    request.remote_prefill = RemotePrefillParams(min_remote_tokens)
+    request.kv_transfer_params = RemotePrefillParams(min_remote_tokens)
     return request
 
 
+def pd_scheduler(num_blocks: int = 16, block_size: int = 4):
+    """A scheduler with the P/D connector over a tiny paged KV (one tensor, 2 values per token)."""
+    connector = RemotePrefillConnector()
+    connector.register_kv_caches(KVCaches("m", (KVCacheGroup(block_size, (torch.zeros(num_blocks, block_size, 2),)),)))
+    return make_scheduler(num_blocks=num_blocks, block_size=block_size, kv_connector=connector)
+
+
+def transfer_ends(scheduler, request_id: str, num_tokens: int, first_token_id: int | None = None) -> int:
+    """The parked request's transfer ends after the KV of `num_tokens` tokens (and the first token);
+    the scheduler learns it as at a step's start. Returns the number of tokens kept."""
+    connector, request = scheduler.kv_connector, scheduler.waiting_for_kv[request_id]
+    kv = RemoteKV(request.num_computed_tokens, request.num_prompt_tokens, connector.layout.bytes_per_token)
+    if num_tokens:
+        kv.add(KVPiece(kv.start, num_tokens, torch.zeros(num_tokens * kv.bytes_per_token, dtype=torch.uint8)))
+    if first_token_id is not None:
+        kv.add(FirstToken(first_token_id, None, 0))
+    num_kept = connector.receive(request_id, kv)
+    scheduler.update_from_connector(connector.get_finished())
+    return num_kept
+
+
 def test_a_remote_request_gets_all_its_blocks_and_nothing_is_scheduled():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     scheduler.add_request(remote_request("a", 10))
     out = scheduler.schedule()
     assert out.total_num_scheduled_tokens == 0
     request = scheduler.waiting_for_kv["a"]
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert request.status == RequestStatus.WAITING_FOR_EXTERNAL_KV
     assert scheduler.kv.get_block_ids("a") == [1, 2, 3]
-    assert [r.request_id for r in scheduler.take_remote_prefills()] == ["a"]
-    assert scheduler.take_remote_prefills() == []
+    assert scheduler.take_events() == [KVLoadStarted("a", num_computed_tokens=0, num_external_tokens=10)]
+    assert scheduler.take_events() == []
     assert scheduler.kv.pool.cached_blocks == {}  # not keyed before the KV arrives
 
 
 def test_finishing_the_remote_prefill_keys_the_blocks_and_decodes_from_the_first_token():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     scheduler.add_request(remote_request("a", 10))
     scheduler.schedule()
-    request = scheduler.finish_remote_prefill("a", token_id=77)
+    request = scheduler.requests["a"]
+    transfer_ends(scheduler, "a", 10, first_token_id=77)
     assert request.status == RequestStatus.RUNNING and request.output_token_ids == [77]
     assert len(scheduler.kv.pool.cached_blocks) == 2  # the two full prompt blocks
     out = scheduler.schedule()
@@ -45,27 +71,27 @@ def test_finishing_the_remote_prefill_keys_the_blocks_and_decodes_from_the_first
 
 
 def test_a_short_uncached_suffix_is_prefilled_locally():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     scheduler.add_request(remote_request("a", 10, min_remote_tokens=11))
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"a": 10} and not scheduler.waiting_for_kv
 
 
 def test_a_failed_transfer_falls_back_to_computing_the_suffix_in_the_same_blocks():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     scheduler.add_request(remote_request("a", 10))
     scheduler.schedule()
-    scheduler.fallback_to_local_prefill("a")
+    assert transfer_ends(scheduler, "a", 0) == 0
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"a": 10}
     assert scheduler.kv.get_block_ids("a") == [1, 2, 3]
 
 
 def test_a_fallback_after_some_kv_computes_only_the_rest_and_keys_the_blocks_it_filled():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     scheduler.add_request(remote_request("a", 10))
     scheduler.schedule()
-    scheduler.fallback_to_local_prefill("a", num_kept_tokens=6)  # KV of tokens [0, 6) arrived
+    assert transfer_ends(scheduler, "a", 6) == 6  # KV of tokens [0, 6) arrived
     request = scheduler.requests["a"]
     assert request.num_computed_tokens == 6 and request.status == RequestStatus.RUNNING
     assert list(scheduler.kv.pool.cached_blocks) == request.block_hashes[:1]  # block 0 is full, block 1 is not
@@ -77,7 +103,7 @@ def test_a_fallback_after_some_kv_computes_only_the_rest_and_keys_the_blocks_it_
 
 
 def test_aborting_a_request_waiting_for_kv_frees_its_blocks():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     scheduler.add_request(remote_request("a", 10))
     scheduler.schedule()
     from moemesh.engine.core.request import FinishReason
@@ -103,15 +129,21 @@ def test_split_kv_cuts_a_transfer_into_the_wire_formats_of_its_token_ranges():
 
 
 def test_a_prefill_request_holds_its_blocks_until_released():
-    scheduler = make_scheduler(num_blocks=16, block_size=4)
+    scheduler = pd_scheduler()
     request = make_request("p", 10, max_tokens=1)
-    request.kv_export_start = 4
+    request.kv_transfer_params = KVExportParams(4)
     scheduler.add_request(request)
     out = scheduler.schedule()
     scheduler.update_from_output(out, {"p": [5]})
     assert request.is_finished and "p" in scheduler.kv_held
     assert scheduler.kv.num_used_blocks == 3
-    scheduler.release_held("p")
+    connector = scheduler.kv_connector
+    connector.save_kv(out.kv_connector_metadata)  # the KV goes out: the connector releases the blocks
+    ((exported_id, start, num_tokens, first),) = [
+        (e.request_id, e.piece.start, e.piece.num_tokens, e.first_token.token_id) for e in connector.take_events()
+    ]
+    assert (exported_id, start, num_tokens, first) == ("p", 4, 6, 5)
+    scheduler.update_from_connector(connector.get_finished())
     assert scheduler.kv.num_used_blocks == 0
 
 
@@ -152,35 +184,47 @@ def test_gather_then_scatter_moves_exactly_the_kv_of_the_token_range(start, end)
         assert not flat_dst[untouched].any()
 
 
-@pytest.mark.parametrize("num_hit_blocks", [0, 2])
-def test_kv_exported_by_one_engine_and_injected_into_another_continues_greedy_decoding(offline_llm, num_hit_blocks):
-    """One engine plays both sides (prefill export, then decode injection) against its own local run."""
+@pytest.fixture()
+def pd_engine(offline_llm):
+    """The session's offline engine with the P/D connector (which it drives without an event loop)."""
     engine = offline_llm.engine
+    engine.set_kv_connector(RemotePrefillConnector())
+    engine.take_connector_events()  # none of an earlier test's
+    yield engine
+    engine.set_kv_connector(NullConnector())
+
+
+@pytest.mark.parametrize("num_hit_blocks", [0, 2])
+def test_kv_exported_by_one_engine_and_injected_into_another_continues_greedy_decoding(
+    offline_llm, pd_engine, num_hit_blocks
+):
+    """One engine plays both sides (prefill export, then decode injection) against its own local run."""
+    engine, connector = pd_engine, pd_engine.kv_connector
     prompt = engine.tokenizer.encode(f"Case {num_hit_blocks}: the quick brown fox jumps over the lazy dog. " * 3)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     (expected,) = offline_llm.generate([prompt], greedy)
     assert engine.kv_cache_manager.pool.reset_prefix_cache()
     if num_hit_blocks:  # the decode side already holds a prefix
         offline_llm.generate([prompt[: num_hit_blocks * 16 + 1]], SamplingParams(temperature=0.0, max_tokens=1))
-    engine.add_request(prompt, greedy, "d", remote_prefill=RemotePrefillParams(1))
+    engine.add_request(prompt, greedy, "d", kv_transfer_params=RemotePrefillParams(1))
     engine.step()
-    (parked,) = engine.take_remote_prefills()
+    (parked,) = [e for e in engine.take_connector_events() if isinstance(e, KVLoadStarted)]
     assert parked.num_computed_tokens == num_hit_blocks * 16
     first_token_only = SamplingParams(temperature=0.0, max_tokens=1)
-    engine.add_request(prompt, first_token_only, "p", kv_export_start=parked.num_computed_tokens)
-    kv = RemoteKV(parked.num_computed_tokens, len(prompt), engine.kv_layout.bytes_per_token)
+    engine.add_request(prompt, first_token_only, "p", kv_transfer_params=KVExportParams(parked.num_computed_tokens))
+    kv = RemoteKV(parked.num_computed_tokens, len(prompt), connector.layout.bytes_per_token)
     while not kv.complete:
         engine.step()
-        for exported in engine.take_kv_exports():
+        for exported in [e for e in engine.take_connector_events() if isinstance(e, ExportedKV)]:
             if exported.piece.num_tokens:
                 kv.add(exported.piece)
             if exported.first_token is not None:
                 kv.add(exported.first_token)
     assert kv.num_received_tokens == len(prompt) - parked.num_computed_tokens
-    (first,) = engine.finish_remote_prefill("d", kv)
-    token_ids = list(first.token_ids)
+    connector.receive("d", kv)
+    token_ids = []
     while engine.has_unfinished_requests():
         for output in engine.step():
-            token_ids = output.token_ids
+            token_ids += output.new_token_ids
     assert token_ids == expected.token_ids
     assert engine.kv_cache_manager.num_used_blocks == 0

@@ -2,9 +2,10 @@
 part-way resumes: the decode side keeps the KV it received and prefills only the rest, with the
 offline engine's greedy output (the oracle, itself checked against Hugging Face).
 
-One engine (the session's offline engine) plays the prefill worker, with a small round budget so
-its prompt takes several rounds, and then the decode worker: in the engine directly, and behind
-the real DecodeServicer with a KV transport that delivers some pieces and then fails.
+One engine (the session's offline engine, with the P/D connector) plays the prefill worker, with a
+small round budget so its prompt takes several rounds, and then the decode worker: in the engine
+directly (the test ends each transfer through the connector), and behind the real DecodeServicer
+with a KV transport that delivers some pieces and then fails.
 """
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ import pytest
 
 from moemesh.contracts.block_hash import hash_block_chain
 from moemesh.engine.async_engine import AsyncEngine
-from moemesh.engine.connectors.kv_transfer import FirstToken, KVPiece, KVTransferError, KVTransport, RemoteKV, split_kv
-from moemesh.engine.core.request import RemotePrefillParams
+from moemesh.engine.connectors.base import KVLoadStarted, NullConnector
+from moemesh.engine.connectors.kv_transfer import (
+    ExportedKV,
+    FirstToken,
+    KVPiece,
+    KVTransferError,
+    KVTransport,
+    RemoteKV,
+    split_kv,
+)
+from moemesh.engine.connectors.remote_prefill import KVExportParams, RemotePrefillConnector, RemotePrefillParams
 from moemesh.engine.sampling_params import SamplingParams
 from moemesh.proto.v1 import common_pb2, decode_pb2
 from moemesh.runtime.metrics import WorkerMetrics
@@ -31,8 +41,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 def engine(offline_llm, expected):  # the oracle runs first: its prompt leaves the cache
     engine = offline_llm.engine
     assert engine.kv_cache_manager.pool.reset_prefix_cache()
+    engine.set_kv_connector(RemotePrefillConnector())
+    engine.take_connector_events()  # none of an earlier test's
     yield engine
     assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_used_blocks == 0
+    engine.set_kv_connector(NullConnector())
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +64,16 @@ def expected(offline_llm, prompt) -> list[int]:
 
 def prefill_remotely(engine, prompt: list[int], start: int) -> tuple[list[KVPiece], FirstToken]:
     """Run the prompt as a prefill worker would, `BUDGET` tokens per round; what it hands out,
-    round by round (the pieces of each `take_kv_exports`)."""
+    round by round (the pieces of each step's `ExportedKV` events)."""
     config = engine.scheduler.config
     engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=BUDGET, max_num_seqs=8)
     try:
-        engine.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=1), "p", kv_export_start=start)
+        params = dataclasses.replace(GREEDY, max_tokens=1)
+        engine.add_request(prompt, params, "p", kv_transfer_params=KVExportParams(start))
         pieces, first = [], None
         while first is None:
             engine.step()
-            for exported in engine.take_kv_exports():
+            for exported in [e for e in engine.take_connector_events() if isinstance(e, ExportedKV)]:
                 pieces += [exported.piece] if exported.piece.num_tokens else []
                 first = exported.first_token or first
         while engine.has_steppable_work:  # an empty round may still be in flight
@@ -71,16 +85,20 @@ def prefill_remotely(engine, prompt: list[int], start: int) -> tuple[list[KVPiec
 
 def park(engine, prompt: list[int], params: SamplingParams = GREEDY) -> int:
     """Add the request "d" as a decode worker would; the computed tokens it was parked with."""
-    engine.add_request(prompt, params, "d", remote_prefill=RemotePrefillParams(1))
+    engine.add_request(prompt, params, "d", kv_transfer_params=RemotePrefillParams(1))
     engine.step()
-    (parked,) = engine.take_remote_prefills()
+    (parked,) = [e for e in engine.take_connector_events() if isinstance(e, KVLoadStarted)]
     return parked.num_computed_tokens
+
+
+def bytes_per_token(engine) -> int:
+    return engine.kv_connector.layout.bytes_per_token
 
 
 def run_to_completion(engine, token_ids: list[int]) -> list[int]:
     while engine.has_unfinished_requests():
         for output in engine.step():
-            token_ids = output.token_ids
+            token_ids = token_ids + output.new_token_ids
     return token_ids
 
 
@@ -88,7 +106,7 @@ def test_a_prefill_request_hands_out_its_kv_in_whole_blocks_round_by_round(engin
     pieces, first = prefill_remotely(engine, prompt, start=16)
     bounds = [16, *range(BUDGET, len(prompt), BUDGET), len(prompt)]  # rounds end at 48, 96, ...; the tail last
     assert [(p.start, p.end) for p in pieces] == list(zip(bounds, bounds[1:]))
-    assert all(p.data.numel() == p.num_tokens * engine.kv_layout.bytes_per_token for p in pieces)
+    assert all(p.data.numel() == p.num_tokens * bytes_per_token(engine) for p in pieces)
     assert first.token_id >= 0 and first.num_cached_tokens == 0
 
 
@@ -101,10 +119,10 @@ def test_a_decode_request_resumes_after_the_pieces_delivered_with_the_local_gree
     start = park(engine, prompt)
     assert start == 32
     pieces, _ = prefill_remotely(engine, prompt, start)
-    kv = RemoteKV(start, len(prompt), engine.kv_layout.bytes_per_token)
+    kv = RemoteKV(start, len(prompt), bytes_per_token(engine))
     for piece in pieces[:num_delivered]:
         kv.add(piece)
-    num_kept = engine.fallback_to_local_prefill("d", kv)
+    num_kept = engine.kv_connector.receive("d", kv)
     assert num_kept == sum(p.num_tokens for p in pieces[:num_delivered]) == [48, 96][num_delivered - 1]
     assert run_to_completion(engine, []) == expected
     full_blocks = hash_block_chain(prompt[: len(prompt) // 16 * 16], 16, engine.kv_cache_manager.extra)
@@ -114,10 +132,10 @@ def test_a_decode_request_resumes_after_the_pieces_delivered_with_the_local_gree
 def test_all_the_kv_without_the_first_token_keeps_all_but_the_piece_with_the_last_token(engine, prompt, expected):
     start = park(engine, prompt)
     pieces, _ = prefill_remotely(engine, prompt, start)
-    kv = RemoteKV(start, len(prompt), engine.kv_layout.bytes_per_token)
+    kv = RemoteKV(start, len(prompt), bytes_per_token(engine))
     for piece in pieces:
         kv.add(piece)
-    assert engine.fallback_to_local_prefill("d", kv) == pieces[-1].start  # the last token is computed here
+    assert engine.kv_connector.receive("d", kv) == pieces[-1].start  # the last token is computed here
     assert run_to_completion(engine, []) == expected
 
 
@@ -127,9 +145,9 @@ def test_a_seeded_request_resumes_with_the_seeded_output_of_a_local_run(engine, 
     assert engine.kv_cache_manager.pool.reset_prefix_cache()
     start = park(engine, prompt, seeded)
     pieces, _ = prefill_remotely(engine, prompt, start)
-    kv = RemoteKV(start, len(prompt), engine.kv_layout.bytes_per_token)
+    kv = RemoteKV(start, len(prompt), bytes_per_token(engine))
     kv.add(pieces[0])
-    assert engine.fallback_to_local_prefill("d", kv) == BUDGET
+    assert engine.kv_connector.receive("d", kv) == BUDGET
     assert run_to_completion(engine, []) == expected.token_ids
 
 
@@ -162,7 +180,7 @@ def test_the_decode_servicer_resumes_a_failed_transfer_and_counts_the_tokens_it_
     engine, prompt, expected, monkeypatch
 ):
     pieces, _ = prefill_remotely(engine, prompt, start=0)
-    transport = FailingTransport(pieces[:2], engine.kv_layout, max_bytes=10 * engine.kv_layout.bytes_per_token)
+    transport = FailingTransport(pieces[:2], engine.kv_connector.layout, max_bytes=10 * bytes_per_token(engine))
     assert engine.kv_cache_manager.pool.reset_prefix_cache()
     monkeypatch.setattr(engine, "shutdown", lambda: None)  # the session's engine keeps its runner thread
     responses, metrics = asyncio.run(serve(engine, transport, prompt))
@@ -172,16 +190,16 @@ def test_the_decode_servicer_resumes_a_failed_transfer_and_counts_the_tokens_it_
     labels = {"model_name": "m", "worker_id": "d"}
     assert metrics.registry.get_sample_value("moemesh:kv_transfer_resumed_tokens_total", labels) == 2 * BUDGET
     received = metrics.registry.get_sample_value("moemesh:kv_transfer_bytes_total", {**labels, "direction": "received"})
-    assert received == 2 * BUDGET * engine.kv_layout.bytes_per_token
+    assert received == 2 * BUDGET * bytes_per_token(engine)
 
 
 async def serve(engine, transport: KVTransport, prompt: list[int]):
-    """One Generate call on a DecodeServicer over `engine` (its AsyncEngine stopped afterwards)."""
+    """One Generate call on a DecodeServicer over `engine`, its connector fetching through
+    `transport` (the AsyncEngine stopped afterwards)."""
     async_engine = AsyncEngine(lambda: engine, asyncio.get_running_loop())
     metrics = WorkerMetrics("m", "d", lambda: async_engine.stats)
-    servicer = DecodeServicer(async_engine, transport, "d", "decode", metrics, min_remote_prefill_tokens=1,
-                              kv_transfer_timeout_s=20.0, kv_transfer_timeout_per_token_s=0.01,
-                              max_queued_requests=8)  # fmt: skip
+    engine.set_kv_connector(RemotePrefillConnector(transport, metrics, timeout_s=20.0, timeout_per_token_s=0.01))
+    servicer = DecodeServicer(async_engine, "d", "decode", metrics, min_remote_prefill_tokens=1, max_queued_requests=8)
     request = decode_pb2.WorkerGenerateRequest(
         request_id="served", prompt_token_ids=prompt, prefill_endpoint="prefill:1",
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens),

@@ -120,20 +120,30 @@ def pid_with(pids: set[int], marker: str) -> int:
     return pid
 
 
-def test_up_checks_speculation_flags_before_starting_anything_and_hands_them_to_workers():
+def test_up_checks_engine_flags_before_starting_anything_and_hands_each_service_the_ones_its_role_reads():
     from moemesh.cli import build_parser
-    from moemesh.launcher.up import speculation_args as _speculation_args
+    from moemesh.launcher.up import ServiceArgs, service_args
 
     bad = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--speculative-method", "draft"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--speculative-method draft needs --draft-model" in bad.stderr
-    assert _speculation_args(build_parser().parse_args(["up"])) == ()
-    args = build_parser().parse_args(["up", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
-    flags = _speculation_args(args)
-    assert flags == ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--speculative-scheduling",
-                     "confidence")  # fmt: skip
-    worker = build_parser().parse_args(["serve", "--role", "decode", *flags])  # the workers accept them
-    assert worker.speculative_method == "ngram" and worker.num_speculative_tokens == 3
+    assert service_args(build_parser().parse_args(["up"])) == ServiceArgs((), (), ())
+    flags = [
+        "--speculative-method",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+    ]
+    handed = service_args(build_parser().parse_args(["up", *flags]))
+    speculation = ("--speculative-method", "ngram", "--num-speculative-tokens", "3")
+    assert handed.worker == ("--dtype", "float32", "--block-size", "32", *speculation)
+    assert (handed.expert, handed.router) == (("--dtype", "float32"), ("--block-size", "32"))
+    worker = build_parser().parse_args(["serve", "--role", "decode", *handed.worker])  # the workers accept them
+    assert worker.speculative_method == "ngram" and worker.num_speculative_tokens == 3 and worker.block_size == 32
 
 
 def test_up_refuses_more_expert_replicas_than_expert_workers_before_starting_anything():

@@ -32,11 +32,10 @@ def settings(*flags: str, role: str = "decode"):
 
 def run_greedy(engine: LLMEngine, prompts: list[str]) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY, detokenize=False) for p in prompts]
-    tokens = {}
+    tokens = {i: [] for i in ids}
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.token_ids
+            tokens[output.request_id] += output.new_token_ids
     return [tokens[i] for i in ids]
 
 
@@ -54,7 +53,7 @@ def test_workers_do_not_speculate_by_default_and_prefill_workers_never():
     assert engine_config(settings().engine).scheduler.async_scheduling  # execution overlap by default
     assert not engine_config(settings("--no-async-scheduling").engine).scheduler.async_scheduling
     prefill = settings("--speculative-method", "ngram", role="prefill")
-    assert prefill.engine.speculation.method == "none"
+    assert prefill.engine.config.spec.method == "none"
 
 
 @pytest.mark.parametrize(

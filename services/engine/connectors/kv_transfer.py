@@ -11,16 +11,15 @@ The layout is tensor-major, so a prefix of a transfer's bytes is not a prefix of
 transfer moves as `KVPiece`s, each the wire format of its own token range [start, end); the pieces
 of one transfer are contiguous and in token order, and a piece never splits a token.
 
-Who calls what, when:
-- P's engine thread (`KVExporter`, kv_export.py) calls `gather_kv` after each round for the
-  tokens of a `kv_export_start` request that round completed (whole blocks; the tail once the
-  request finished, then its blocks are freed). P's servicer cuts each piece to the message size
-  (`split_kv`) and streams it at once; the first token (`FirstToken`) comes last.
-- D's servicer calls `KVTransport.fetch` for each request the scheduler parked in
-  WAITING_FOR_REMOTE_KV and adds what arrives to a `RemoteKV`; D's engine thread then calls
-  `scatter_kv` per piece, via `LLMEngine.finish_remote_prefill` when the transfer completed, or
-  via `LLMEngine.fallback_to_local_prefill` when it failed: that keeps the pieces received and
-  prefills only the rest locally.
+Who calls what, when (the connector is remote_prefill.py):
+- P's engine thread (the connector's `save_kv`, after each round) calls `gather_kv` for the tokens
+  of an exporting request that round completed (whole blocks; the tail once the request finished,
+  then its blocks are freed). P's servicer cuts each piece to the message size (`split_kv`) and
+  streams it at once; the first token (`FirstToken`) comes last.
+- D's connector calls `KVTransport.fetch` (in the worker's event loop) for each request it parked
+  for remote KV and adds what arrives to a `RemoteKV`; D's engine thread then calls `scatter_kv`
+  per piece it keeps (the connector's `get_finished`): all of them when the transfer completed,
+  the whole pieces before the last prompt token when it failed (the rest is prefilled locally).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moemesh.engine.core.request import Logprob
+from moemesh.engine.connectors.base import FirstToken, KVCaches, KVConnectorEvent
 
 
 class KVTransferError(Exception):
@@ -54,19 +53,11 @@ class KVLayout:
         return sum(math.prod(shape) for shape in self.token_shapes) * self.element_size
 
 
-def cache_tensors(model) -> list[torch.Tensor]:
-    """Every KV cache tensor of the model, in layer order: [num_blocks, block_size, *token_shape].
-    (Attention layers bind `k_cache` and `v_cache`; MLA layers one `kv_cache`.)"""
-    tensors = []
-    for layer in model.attention_layers():
-        tensors.extend([layer.k_cache, layer.v_cache] if hasattr(layer, "k_cache") else [layer.kv_cache])
-    return tensors
-
-
-def kv_layout(model, model_id: str) -> KVLayout:
-    tensors = cache_tensors(model)
-    dtype = str(tensors[0].dtype).removeprefix("torch.")
-    return KVLayout(model_id, dtype, tuple(tuple(t.shape[2:]) for t in tensors))
+def kv_layout(caches: KVCaches) -> KVLayout:
+    """The wire layout of the engine's paged KV (a transfer moves its one cache group)."""
+    (group,) = caches.groups
+    dtype = str(group.tensors[0].dtype).removeprefix("torch.")
+    return KVLayout(caches.model_id, dtype, tuple(tuple(t.shape[2:]) for t in group.tensors))
 
 
 def _pieces(block_ids: list[int], block_size: int, start: int, end: int):
@@ -145,15 +136,6 @@ def split_kv(data: torch.Tensor, layout: KVLayout, start: int, max_bytes: int) -
         yield start + a, b"".join(parts)
 
 
-@dataclass(frozen=True)
-class FirstToken:
-    """The end of a remote prefill: the token P sampled after the prompt."""
-
-    token_id: int
-    logprob: Logprob | None
-    num_cached_tokens: int  # prompt tokens P served from its own prefix cache
-
-
 @dataclass
 class KVPiece:
     """The KV of tokens [start, start + num_tokens) in the wire format."""
@@ -167,12 +149,12 @@ class KVPiece:
         return self.start + self.num_tokens
 
 
-@dataclass
-class ExportedKV:
-    """What P's engine hands its servicer for a request with `kv_export_start`, after each round
-    that completed some of its tokens; the last one carries the first token (blocks freed then)."""
+@dataclass(frozen=True)
+class ExportedKV(KVConnectorEvent):
+    """What P's connector hands its servicer (through the request's stream) for an exporting
+    request, after each round that completed some of its tokens; the last one carries the first
+    token (its blocks are freed then)."""
 
-    request_id: str
     piece: KVPiece  # may be empty (0 tokens) on the last one
     first_token: FirstToken | None = None
 
@@ -236,9 +218,9 @@ class RemotePrefillTask:
 
 
 class KVTransport(abc.ABC):
-    """Moves KV from prefill workers to this decode worker. Called by the decode servicer (in
-    its asyncio loop), once per request parked in WAITING_FOR_REMOTE_KV; cancelling the call
-    must cancel the transfer and free the blocks on P. Implementations: `GrpcKVTransport`
+    """Moves KV from prefill workers to this decode worker. Called by the remote-prefill
+    connector (in the worker's event loop), once per request it parked for remote KV; closing the
+    iterator must cancel the transfer and free the blocks on P. Implementations: `GrpcKVTransport`
     (moemesh.worker.kv_client, streaming over gRPC); RDMA/NIXL later."""
 
     @abc.abstractmethod

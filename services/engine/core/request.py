@@ -1,9 +1,9 @@
 """A request's lifecycle: waiting -> running -> (preempted -> waiting ->) finished(reason).
 
-Disaggregated serving adds one state on the decode worker: waiting -> waiting_for_remote_kv (its
-blocks are allocated, the uncached prompt suffix is being prefilled by a prefill worker) ->
-running once the KV and the first token arrive (or, if the transfer fails, running with a local
-prefill of the suffix).
+A KV connector (connectors/base.py) adds one state: waiting -> waiting_for_external_kv (its blocks
+are allocated, the connector is loading the KV of tokens after its prefix-cache hit, e.g. a remote
+prefill of the uncached prompt suffix) -> running from the tokens that arrived (and the first
+token, when the source computed the whole prompt); the rest is computed locally.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from moemesh.contracts.block_hash import BlockHash
+from moemesh.contracts.finish_reason import FinishReason
+from moemesh.engine.connectors.base import KVTransferParams
 from moemesh.engine.sampling_params import SamplingParams
 
 
@@ -20,14 +22,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_EXTERNAL_KV = "waiting_for_external_kv"
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # cancelled by the client
 
 
 @dataclass
@@ -35,15 +31,6 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # the top-n tokens of that position and their logprobs
-
-
-@dataclass(frozen=True)
-class RemotePrefillParams:
-    """Set by a decode worker on a request it may prefill remotely: at admission, if at least
-    `min_remote_tokens` prompt tokens are not in its prefix cache, the scheduler allocates the
-    blocks and parks the request in WAITING_FOR_REMOTE_KV instead of computing them."""
-
-    min_remote_tokens: int = 1
 
 
 @dataclass
@@ -63,9 +50,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (set on first admit)
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of the full blocks so far
-    remote_prefill: RemotePrefillParams | None = None  # decode worker: may prefill remotely (first admit only)
-    kv_export_start: int | None = None  # prefill worker: keep blocks at finish to export KV from this token
-    num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
+    kv_transfer_params: KVTransferParams | None = None  # for the KV connector (e.g. a remote prefill), opaque here
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next round
     num_output_placeholders: int = 0  # overlap: tokens a scheduled round will sample, not known yet
 

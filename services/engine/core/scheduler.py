@@ -9,14 +9,13 @@ decodes at the placeholder's position (the runner, which runs rounds in order, k
 by then), so a request holds at most two placeholders. A running request that cannot get a block preempts the most recently
 admitted running request (recompute: its blocks are freed, it returns to the head of the queue).
 
-Disaggregated hooks (the worker's engine thread calls them between steps):
-- decode worker: a waiting request with `remote_prefill` whose uncached prompt part is at least
-  `min_remote_tokens` is admitted into `waiting_for_kv` with all its prompt blocks allocated and
-  nothing scheduled; it is listed once in `take_remote_prefills()`. `finish_remote_prefill`
-  (KV written, first token known) moves it to running; `fallback_to_local_prefill` (transfer
-  failed) moves it to running with the tokens after the KV it kept still to compute.
-- prefill worker: a request with `kv_export_start` keeps its blocks when it finishes normally
-  (`kv_held`) until `release_held` is called after the KV is exported.
+KV connector hooks (connectors/base.py): at admission the connector may claim tokens after the
+prefix-cache hit. Claimed asynchronously, the request gets blocks for them and waits in
+`waiting_for_kv` (status WAITING_FOR_EXTERNAL_KV, nothing scheduled, a `KVLoadStarted` event)
+until `update_from_connector` reports its load: it then runs from the tokens that arrived (and the
+first token, if the load brought one). Claimed synchronously, they count as computed at once. Each
+round carries the connector's metadata; a finished request whose blocks the connector keeps for a
+save waits in `kv_held` until `update_from_connector` reports it saved.
 """
 
 from __future__ import annotations
@@ -25,13 +24,28 @@ import time
 from collections import deque
 
 from moemesh.engine.config import SchedulerConfig
+from moemesh.engine.connectors.base import (
+    FinishedTransfers,
+    KVBlockIds,
+    KVConnector,
+    KVConnectorEvent,
+    KVLoadFinished,
+    KVLoadStarted,
+    NullConnector,
+)
 from moemesh.engine.core.kv_cache_manager import KVCacheManager
 from moemesh.engine.core.request import FinishReason, Request, RequestStatus
 from moemesh.engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        kv_connector: KVConnector | None = None,
+    ):
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -41,9 +55,10 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()  # ids whose full data the runner holds
         self.num_preemptions = 0
-        self.waiting_for_kv: dict[str, Request] = {}  # admitted, KV coming from a prefill worker
-        self.kv_held: dict[str, Request] = {}  # finished, blocks kept until their KV is exported
-        self._new_remote_prefills: list[Request] = []
+        self.kv_connector = kv_connector if kv_connector is not None else NullConnector()
+        self.waiting_for_kv: dict[str, Request] = {}  # admitted, their KV being loaded by the connector
+        self.kv_held: dict[str, Request] = {}  # finished, blocks kept until the connector has saved them
+        self._events: list[KVConnectorEvent] = []  # loads started / finished, for the requests' streams
 
     # -- requests in and out -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -51,7 +66,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_requests(self, request_ids, reason: FinishReason) -> list[Request]:
-        """Finish (abort, or stop on a stop string) requests in any state; frees their blocks."""
+        """Finish (abort, or stop on a stop string) requests in any state; frees their blocks
+        (unless the connector keeps them for a save)."""
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -59,12 +75,12 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            elif request.status == RequestStatus.WAITING_FOR_EXTERNAL_KV:
                 del self.waiting_for_kv[request_id]
             else:
                 self.waiting.remove(request)
             request.finish(reason)
-            self._free(request, hold=reason != FinishReason.ABORT)
+            self._free(request)
             finished.append(request)
         return finished
 
@@ -74,46 +90,49 @@ class Scheduler:
 
     @property
     def has_schedulable_requests(self) -> bool:
-        """False when every unfinished request is waiting for remote KV (nothing to step)."""
+        """False when every unfinished request is waiting for external KV (nothing to step)."""
         return bool(self.waiting or self.running)
 
-    # -- disaggregated prefill ---------------------------------------------------------------
-    def take_remote_prefills(self) -> list[Request]:
-        """Requests admitted into `waiting_for_kv` since the last call (each listed once)."""
-        taken, self._new_remote_prefills = self._new_remote_prefills, []
-        return [r for r in taken if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
+    # -- the connector's reports -------------------------------------------------------------
+    def update_from_connector(self, finished: FinishedTransfers) -> list[Request]:
+        """What the connector's worker half finished: saved requests' blocks are freed; a loaded
+        request's KV is in its blocks, so its full blocks are keyed and it runs, from the tokens
+        that arrived (the rest are computed here) or, if the load brought the first token, from
+        that token (finishing if it ends the request). Returns the requests that got a token."""
+        for request_id in finished.saved:
+            request = self.kv_held.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+        updated = []
+        for request_id, load in finished.loads.items():
+            request = self.waiting_for_kv.pop(request_id, None)
+            if request is None:  # aborted meanwhile
+                continue
+            request.num_computed_tokens += load.num_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            first = load.first_token
+            self._events.append(KVLoadFinished(request_id, load.num_tokens, first is not None))
+            if first is None:
+                assert request.num_computed_tokens < request.num_tokens, "the last token is computed here"
+                self.running.append(request)
+                continue
+            assert request.num_computed_tokens == request.num_tokens, "the first token follows the whole prompt"
+            request.num_cached_tokens = max(request.num_cached_tokens, first.num_cached_tokens)
+            request.output_token_ids.append(first.token_id)
+            updated.append(request)
+            reason = self._check_stop(request, first.token_id)
+            if reason is not None:
+                request.finish(reason)
+                self._free(request)
+            else:
+                self.running.append(request)
+        return updated
 
-    def finish_remote_prefill(self, request_id: str, token_id: int) -> Request:
-        """The prompt's KV is in the request's blocks and `token_id` is its first output token."""
-        request = self.waiting_for_kv.pop(request_id)
-        request.num_computed_tokens = request.num_tokens
-        self.kv.cache_blocks(request, request.num_computed_tokens)
-        request.output_token_ids.append(token_id)
-        request.status = RequestStatus.RUNNING
-        reason = self._check_stop(request, token_id)
-        if reason is not None:
-            request.finish(reason)
-            self._free(request)
-        else:
-            self.running.append(request)
-        return request
-
-    def fallback_to_local_prefill(self, request_id: str, num_kept_tokens: int = 0) -> None:
-        """The remote prefill failed after the KV of `num_kept_tokens` tokens (after the computed
-        ones) was written: key the blocks that are full now, as a local prefill would, and
-        compute the rest here, in the blocks the request holds."""
-        request = self.waiting_for_kv.pop(request_id)
-        assert request.num_computed_tokens + num_kept_tokens < request.num_tokens, "the last token is computed here"
-        request.num_computed_tokens += num_kept_tokens
-        self.kv.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-
-    def release_held(self, request_id: str) -> None:
-        """Free a finished request's blocks once its KV has been exported."""
-        request = self.kv_held.pop(request_id, None)
-        if request is not None:
-            self.kv.free(request)
+    def take_events(self) -> list[KVConnectorEvent]:
+        """Loads started and finished since the last call (each request's in order)."""
+        events, self._events = self._events, []
+        return events
 
     # -- one round -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -150,44 +169,50 @@ class Scheduler:
                 break
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
-            remote = request.remote_prefill
-            if remote is not None and num_new >= remote.min_remote_tokens:
-                if not self._admit_for_remote_kv(request, hit_blocks, num_hit_tokens):
+            num_external, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            if load_async and num_external > 0:
+                if not self._admit_to_load(request, hit_blocks, num_hit_tokens, num_external):
                     break
                 continue
-            request.remote_prefill = None  # prefilled here; a resumed request recomputes locally
+            # external tokens loaded synchronously count as computed; the rest is computed here
+            num_new = request.num_tokens - num_hit_tokens - num_external
+            assert num_new > 0, "the last token is computed here"
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            new_blocks = self.kv.allocate_slots(request, num_external + num_new, hit_blocks)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:  # first admission
-                request.num_cached_tokens = num_hit_tokens
-                request.scheduled_time = time.monotonic()
+            self._admit(request, num_hit_tokens, num_external, RequestStatus.RUNNING)
+            request.num_computed_tokens += num_external
             self.running.append(request)
             self._schedule(out, request, num_new, new_blocks)
             budget -= num_new
+        out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
 
-    def _admit_for_remote_kv(self, request: Request, hit_blocks, num_hit_tokens: int) -> bool:
-        num_new = request.num_tokens - num_hit_tokens
-        if self.kv.allocate_slots(request, num_new, hit_blocks, cache=False) is None:
+    def _admit_to_load(self, request: Request, hit_blocks, num_hit_tokens: int, num_external: int) -> bool:
+        """Allocate blocks for the external tokens (unkeyed until their KV is there) and park the
+        request until the connector reports its load."""
+        if self.kv.allocate_slots(request, num_external, hit_blocks, cache=False) is None:
             return False
+        self._admit(request, num_hit_tokens, num_external, RequestStatus.WAITING_FOR_EXTERNAL_KV)
+        self.waiting_for_kv[request.request_id] = request
+        self._events.append(KVLoadStarted(request.request_id, num_hit_tokens, num_external))
+        return True
+
+    def _admit(self, request: Request, num_hit_tokens: int, num_external: int, status: RequestStatus) -> None:
+        """The head of the queue got its blocks: it leaves the queue, and the connector learns them."""
         self.waiting.popleft()
-        request.remote_prefill = None
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.status = status
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:  # first admission
             request.num_cached_tokens = num_hit_tokens
             request.scheduled_time = time.monotonic()
-        self.waiting_for_kv[request.request_id] = request
-        self._new_remote_prefills.append(request)
-        return True
+        self.kv_connector.update_state_after_alloc(request, self._block_ids(request), num_external)
+
+    def _block_ids(self, request: Request) -> KVBlockIds:
+        return (self.kv.get_block_ids(request.request_id),)  # one cache group
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, new_blocks) -> None:
         request_id = request.request_id
@@ -279,9 +304,9 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _free(self, request: Request, hold: bool = True) -> None:
-        if hold and request.kv_export_start is not None:
-            self.kv_held[request.request_id] = request  # freed by release_held after the export
+    def _free(self, request: Request) -> None:
+        if self.kv_connector.request_finished(request, self._block_ids(request)):
+            self.kv_held[request.request_id] = request  # freed once the connector has saved it
         else:
             self.kv.free(request)
         if request.request_id in self._sent_to_runner:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moemesh.engine.connectors.base import NO_METADATA, KVConnectorMetadata
 from moemesh.engine.sampling_params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0  # sum of q_i <= max_num_batched_tokens
     finished_req_ids: set[str] = field(default_factory=set)  # since the last round: drop state
     preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: KVConnectorMetadata = NO_METADATA  # what the connector's worker half does this round
 
     @property
     def is_empty(self) -> bool:

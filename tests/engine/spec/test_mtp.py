@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moemesh import LLM, SamplingParams
+from moemesh.cli import build_parser
 from moemesh.engine.config import SpecConfig
 from moemesh.engine.errors import ConfigError
 from moemesh.engine.loader import open_checkpoint
@@ -23,7 +24,7 @@ from moemesh.engine.loader.build import build_model, build_mtp_model
 from moemesh.engine.runner.hidden_states import TargetHiddenStates
 from moemesh.engine.speculative.confidence import CostTable
 from moemesh.engine.speculative.mtp import MtpProposer
-from moemesh.worker.settings import SpeculationSettings
+from moemesh.worker.settings import worker_settings
 
 from ..moe.models import VOCAB, _common, hf_greedy
 from .conftest import save_tiny_llama
@@ -317,6 +318,6 @@ def test_model_without_an_mtp_layer_is_a_config_error(tmp_path):
 
 
 def test_mtp_is_a_speculative_method_of_the_workers_and_the_cli():
-    assert SpeculationSettings(method="mtp", num_speculative_tokens=2).spec_config() == SpecConfig(
-        method="mtp", num_speculative_tokens=2
-    )
+    flags = ["--speculative-method", "mtp", "--num-speculative-tokens", "2"]
+    args = build_parser().parse_args(["serve", "--role", "decode", *flags])
+    assert worker_settings(args, env={}).engine.config.spec == SpecConfig(method="mtp", num_speculative_tokens=2)

@@ -95,7 +95,7 @@ def test_confidence_scheduled_speculation_with_remote_experts_is_rejected_naming
     with pytest.raises(SettingsError, match="use --speculative-scheduling fixed"):
         worker_settings(build_parser().parse_args(argv), env={})
     fixed = worker_settings(build_parser().parse_args(argv + ["--speculative-scheduling", "fixed"]), env={})
-    assert fixed.expert.remote and fixed.engine.speculation.scheduling == "fixed"
+    assert fixed.expert.remote and fixed.engine.config.spec.scheduling == "fixed"
 
 
 def test_the_nccl_backend_on_a_cpu_worker_is_rejected_at_start_naming_the_fix():
