@@ -6,8 +6,7 @@ camelCase (`kv_memory_gib` -> `kvMemoryGib`), values as `moemesh serve`'s flags 
 Parsed once: an unknown key, a wrong type, a value out of its bounds, a mesh-wide option set for
 one role, and a combination the engine refuses (per role, as each role's pods will resolve it) are
 `EngineSpecError`s naming the field. The parsed values go into mesh.json as its `engine` and
-`roles.<role>.engine` sections (`mesh_config`); the router, which reads its flags only, gets the
-mesh-wide values it reads as flags (`router_argv`).
+`roles.<role>.engine` sections (`mesh_config`), which every pod reads, the router included.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.runtime.engine_args import argv
 from moemesh.runtime.engine_config import BY_NAME, OPTIONS, ConfigError, Option, build
 
 CR_ROLES = ("router", "prefill", "decode", "expert")
@@ -43,12 +41,6 @@ class EngineSpec:
         if self.roles:
             sections["roles"] = {role: {"engine": dict(values)} for role, values in self.roles.items()}
         return sections
-
-    def router_argv(self) -> list[str]:
-        """The router's flags for the mesh-wide values it reads (it reads no mesh.json engine section)."""
-        return argv(
-            {name: BY_NAME[name].parse(v) for name, v in self.mesh.items() if BY_NAME[name].applies_to("router")}
-        )
 
 
 def parse_engine(spec: Mapping[str, Any], legacy_dtype: str | None = None) -> EngineSpec:

@@ -154,14 +154,12 @@ def _container(spec: MeshSpec, name: str, role: str, secret: tuple[str, str] | N
         live, ready = {"httpGet": {"path": "/live", "port": "http"}}, {"httpGet": {"path": "/health", "port": "http"}}
     else:  # alive while loading / waiting for a placement; ready when it serves
         live, ready = {"grpc": {"port": GRPC_PORT, "service": "liveness"}}, {"grpc": {"port": GRPC_PORT}}
-    # the router reads no engine section of mesh.json: the mesh-wide values it reads (--block-size) are flags
-    engine_flags = spec.engine.router_argv() if role == "router" else []
     container: dict[str, Any] = {
         "name": role,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         # every pod binds its own IP (what Services, probes and Prometheus reach)
-        "command": ["moemesh", "serve", "--role", role, "--config", CONFIG_PATH, "--host", "$(POD_IP)", *engine_flags],
+        "command": ["moemesh", "serve", "--role", role, "--config", CONFIG_PATH, "--host", "$(POD_IP)"],
         "ports": ports,
         "env": env,
         # model loading can take minutes: the startup probe allows up to 30 min

@@ -254,6 +254,24 @@ def test_a_flag_wins_over_the_role_section_which_wins_over_the_engine_section(tm
     assert serve().engine.config.cache.memory_gib == 1.0
 
 
+def test_the_router_hashes_prefixes_with_the_workers_mesh_wide_values(tmp_path):
+    """Block size, cache salt and context are one value per mesh: the router reads them from the
+    mesh config (or its flags) as the workers do, so its block-hash chain matches theirs."""
+    from moemesh.router.settings import router_settings
+
+    config = write(tmp_path, {"engine": {"block_size": 32, "cache_salt": "tenant-a", "max_model_len": 1024}})
+    for flags in ((), ("--block-size", "64", "--cache-salt", "tenant-b")):
+        args = build_parser().parse_args(["serve", "--role", "router", "--config", config, *flags])
+        router = router_settings(args, env={})
+        worker = serve("--config", config, *flags).engine.config
+        assert (router.block_size, router.cache_salt, router.max_model_len) == (
+            worker.cache.block_size,
+            worker.cache.cache_salt,
+            worker.model.max_model_len,
+        )
+    assert (router.block_size, router.cache_salt) == (64, "tenant-b")
+
+
 @pytest.mark.parametrize(
     "config, message",
     [

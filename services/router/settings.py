@@ -12,6 +12,7 @@ from moemesh.router.api_keys import ENV_VAR as API_KEY_ENV
 from moemesh.router.api_keys import keys_from
 from moemesh.router.http_guard import OPEN_PATHS, GuardSettings
 from moemesh.router.tool_parsers import PARSER_NAMES
+from moemesh.runtime import engine_args
 from moemesh.runtime.settings import (
     MeshSettings,
     check,
@@ -72,6 +73,10 @@ class RouterSettings:
 def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings:
     config = read_config_file(args.config)
     ports = config.get("ports") or {}
+    model = model_path(args, config)
+    # the mesh-wide engine options the router must share with the workers (block size, cache salt,
+    # context): flag > mesh.json engine section > default, as the workers resolve them
+    engine = engine_args.resolve(args, config, "router", fixed={"model": model})
     return RouterSettings(
         router_id=args.worker_id or env.get("POD_NAME") or f"router-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
         host=args.host or "0.0.0.0",
@@ -79,10 +84,11 @@ def router_settings(args, env: Mapping[str, str] = os.environ) -> RouterSettings
         http_port=pick(args.http_port, ports.get("http"), 8000),
         grpc_port=None if args.grpc_port == 0 else pick(args.grpc_port, ports.get("grpc"), 50051),
         metrics_port=metrics_port(args, config),
-        model=model_path(args, config),
+        model=model,
         served_model_name=args.served_model_name or (config.get("model") or {}).get("name"),
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
+        block_size=engine.cache.block_size,
+        cache_salt=engine.cache.cache_salt,
+        max_model_len=engine.model.max_model_len,
         decode_endpoints=tuple(args.decode_endpoint),
         prefill_endpoints=tuple(args.prefill_endpoint),
         max_in_flight=args.max_in_flight,
