@@ -90,13 +90,18 @@ def num_kills(duration_s: float, kill_every_s: float) -> int:
     return math.ceil(duration_s / kill_every_s) - 1
 
 
-def seeded_schedule(seed: int, num_kills: int, decode_ids: list[str], expert_ids: list[str] = (),
-                    prefill_id: str = "prefill-0") -> list[str]:  # fmt: skip
+def seeded_schedule(
+    seed: int, num_kills: int, decode_ids: list[str], expert_ids: list[str] = (), prefill_id: str = "prefill-0"
+) -> list[str]:
     """The victims in turn: a decode worker, the prefill worker, an expert worker (when there are
     any), Redis, again; which decode / expert worker is drawn from `seed`."""
     rng = random.Random(seed)
-    draws = {"decode": lambda: rng.choice(decode_ids), "prefill": lambda: prefill_id,
-             "expert": lambda: rng.choice(expert_ids), "redis": lambda: "redis"}  # fmt: skip
+    draws = {
+        "decode": lambda: rng.choice(decode_ids),
+        "prefill": lambda: prefill_id,
+        "expert": lambda: rng.choice(expert_ids),
+        "redis": lambda: "redis",
+    }
     roles = ["decode", "prefill", *(["expert"] if expert_ids else []), "redis"]
     return [draws[roles[n % len(roles)]]() for n in range(num_kills)]
 
@@ -111,13 +116,32 @@ def save_tiny_moe(path: str, seed: int = 0) -> str:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-        initializer_range=0.1, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
-        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
-        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
     torch.manual_seed(seed)
     DeepseekV3ForCausalLM(config).eval().save_pretrained(path)
     tokenizer = Tokenizer(models.BPE(vocab={chr(i): i for i in range(VOCAB)}, merges=[]))
@@ -161,8 +185,15 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens
     return sample
 
 
-def run_chaos(cluster, schedule: list[str], num_streams: int = 64, duration_s: float = 60.0,
-              kill_every_s: float = 10.0, max_tokens: int = 32, prompts: list[str] = PROMPTS) -> ChaosResult:  # fmt: skip
+def run_chaos(
+    cluster,
+    schedule: list[str],
+    num_streams: int = 64,
+    duration_s: float = 60.0,
+    kill_every_s: float = 10.0,
+    max_tokens: int = 32,
+    prompts: list[str] = PROMPTS,
+) -> ChaosResult:
     """`num_streams` clients send greedy streams back to back for `duration_s`; every
     `kill_every_s` the next victim of `schedule` is SIGKILLed. A supervisor thread calls
     `cluster.supervise()` throughout."""
@@ -220,24 +251,32 @@ def percentiles(values: list[float]) -> str:
 
 
 def report(label: str, result: ChaosResult, expected: dict[str, str]) -> None:
-    print(f"{label}: requests {len(result.samples)}  migrations {result.migrations:.0f}  "
-          f"429s {sum(s.error == '429' for s in result.samples)}  failures {len(result.failures)}  "
-          f"differing outputs {len(result.mismatches(expected))}"
-          + (f"  kills: {', '.join(victim for _, victim in result.kills)}" if result.kills else ""))  # fmt: skip
+    print(
+        f"{label}: requests {len(result.samples)}  migrations {result.migrations:.0f}  "
+        f"429s {sum(s.error == '429' for s in result.samples)}  failures {len(result.failures)}  "
+        f"differing outputs {len(result.mismatches(expected))}"
+        + (f"  kills: {', '.join(victim for _, victim in result.kills)}" if result.kills else "")
+    )
     for failure in result.failures[:5]:
         print(f"  failed: {failure.prompt!r}: {failure.error}")
 
 
 def latency_table(baseline: ChaosResult | None, chaos: ChaosResult, recovery_s: float) -> None:
     rows = [("fault-free pass", baseline.samples if baseline else [])] if baseline else []
-    rows += [(label, [s for s in chaos.samples if chaos.near_fault(s, recovery_s) == near])
-             for label, near in (("chaos: no kill in the last " + f"{recovery_s:g} s", False),
-                                 (f"chaos: <= {recovery_s:g} s after a kill", True))]  # fmt: skip
+    rows += [
+        (label, [s for s in chaos.samples if chaos.near_fault(s, recovery_s) == near])
+        for label, near in (
+            ("chaos: no kill in the last " + f"{recovery_s:g} s", False),
+            (f"chaos: <= {recovery_s:g} s after a kill", True),
+        )
+    ]
     print(f"{'requests':<34}{'n':>6}  {'TTFT p50/p99 ms':>16}  {'ITL p50/p99 ms':>16}")
     for label, samples in rows:
         group = [s for s in samples if s.error is None]
-        print(f"{label:<34}{len(group):>6}  {percentiles([s.ttft for s in group if s.ttft]):>16}  "
-              f"{percentiles([x for s in group for x in s.itls]):>16}")  # fmt: skip
+        print(
+            f"{label:<34}{len(group):>6}  {percentiles([s.ttft for s in group if s.ttft]):>16}  "
+            f"{percentiles([x for s in group for x in s.itls]):>16}"
+        )
 
 
 def main() -> None:
@@ -267,16 +306,27 @@ def main() -> None:
     del llm
     num_experts = args.experts if moe else 0
     worker_args = ("--dtype", "float32", "--max-model-len", str(max_len))  # float32: as the reference
-    spec = ClusterSpec(num_prefill=1, num_decode=args.decode, http_port=0, heartbeat_ttl_s=3.0, log_dir=logs,
-                       model=model, worker_args=worker_args, router_args=("--max-model-len", str(max_len)),
-                       num_experts=num_experts, expert_replicas=min(2, max(num_experts, 1)),
-                       expert_args=("--dtype", "float32"))  # fmt: skip
+    spec = ClusterSpec(
+        num_prefill=1,
+        num_decode=args.decode,
+        http_port=0,
+        heartbeat_ttl_s=3.0,
+        log_dir=logs,
+        model=model,
+        worker_args=worker_args,
+        router_args=("--max-model-len", str(max_len)),
+        num_experts=num_experts,
+        expert_replicas=min(2, max(num_experts, 1)),
+        expert_args=("--dtype", "float32"),
+    )
     with LocalCluster(spec) as cluster:
         decode_ids = [name for name, s in cluster.services.items() if s.role == "decode"]
         kills = num_kills(args.duration, args.kill_every)
         schedule = seeded_schedule(args.seed, kills, decode_ids, cluster.expert_ids())
-        print(f"{args.model}: 1 prefill, {args.decode} decode, {num_experts} expert workers; {args.streams} streams, "
-              f"max_tokens {args.max_tokens} (logs: {logs})")  # fmt: skip
+        print(
+            f"{args.model}: 1 prefill, {args.decode} decode, {num_experts} expert workers; {args.streams} streams, "
+            f"max_tokens {args.max_tokens} (logs: {logs})"
+        )
         baseline = None
         if args.baseline > 0:
             baseline = run_chaos(cluster, [], args.streams, args.baseline, args.kill_every, args.max_tokens)

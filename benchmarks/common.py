@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 TOPICS = [
-    "the history of the printing press", "how volcanoes form", "a recipe for tomato soup",
-    "the rules of chess", "why the sky is blue", "a day in the life of a lighthouse keeper",
-    "the water cycle", "how to train for a marathon", "the life of honey bees",
-    "the invention of the telephone", "black holes", "a trip to the mountains",
-]  # fmt: skip
+    "the history of the printing press",
+    "how volcanoes form",
+    "a recipe for tomato soup",
+    "the rules of chess",
+    "why the sky is blue",
+    "a day in the life of a lighthouse keeper",
+    "the water cycle",
+    "how to train for a marathon",
+    "the life of honey bees",
+    "the invention of the telephone",
+    "black holes",
+    "a trip to the mountains",
+]
 
 
 def make_prompts(num: int) -> list[str]:

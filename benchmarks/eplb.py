@@ -48,18 +48,34 @@ def compare_with_deepseek(repeats: int, seed: int) -> None:
         deepseek, refined = plan_deepseek(load, layout), plan_from_scratch(load, layout)
         drifted = load * rng.lognormal(0.0, 0.3, size=load.shape)
         replanned = replan(drifted, layout, refined.phy2log)
-        rows.append([
-            name, f"{num_layers}x{layout.num_experts}->{layout.num_slots} / {layout.num_workers}w",
-            f"{deepseek.imbalance:.4f}", f"{refined.imbalance:.4f}",
-            f"{100 * (deepseek.imbalance - refined.imbalance) / (deepseek.imbalance - 1):.0f}%",
-            f"{best_time_ms(lambda: plan_deepseek(load, layout), repeats):.1f}",
-            f"{best_time_ms(lambda: plan_from_scratch(load, layout), repeats):.1f}",
-            f"{best_time_ms(lambda: replan(drifted, layout, refined.phy2log), repeats):.1f}",
-            f"{replanned.moves} / {replanned.scratch_moves}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{num_layers}x{layout.num_experts}->{layout.num_slots} / {layout.num_workers}w",
+                f"{deepseek.imbalance:.4f}",
+                f"{refined.imbalance:.4f}",
+                f"{100 * (deepseek.imbalance - refined.imbalance) / (deepseek.imbalance - 1):.0f}%",
+                f"{best_time_ms(lambda: plan_deepseek(load, layout), repeats):.1f}",
+                f"{best_time_ms(lambda: plan_from_scratch(load, layout), repeats):.1f}",
+                f"{best_time_ms(lambda: replan(drifted, layout, refined.phy2log), repeats):.1f}",
+                f"{replanned.moves} / {replanned.scratch_moves}",
+            ]
+        )
     print("Pareto(1.2) loads: imbalance = sum over layers of the max worker load / of the mean (1 = perfect)")
-    print_table(["shape", "layers x experts -> slots", "DeepSeek", "refined", "excess removed", "DeepSeek ms",
-                 "refined ms", "re-plan ms", "re-plan moves / scratch moves"], rows)  # fmt: skip
+    print_table(
+        [
+            "shape",
+            "layers x experts -> slots",
+            "DeepSeek",
+            "refined",
+            "excess removed",
+            "DeepSeek ms",
+            "refined ms",
+            "re-plan ms",
+            "re-plan moves / scratch moves",
+        ],
+        rows,
+    )
     print()
 
 

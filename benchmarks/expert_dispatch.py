@@ -104,11 +104,22 @@ def build_checkpoint(path: str, args) -> None:
 
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8, max_position_embeddings=512,
-        moe_intermediate_size=args.intermediate, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        norm_topk_prob=True, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        max_position_embeddings=512,
+        moe_intermediate_size=args.intermediate,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     Qwen3MoeForCausalLM(config).save_pretrained(path)
 
 
@@ -196,8 +207,9 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, waits: WaitTimed | 
     return [outputs[i] for i in ids], steps[mid], moe[mid], wait[mid], len(prompts), overhead[mid]
 
 
-def transport_floor(kind: str, worker_id: str, endpoint: str, version: int, busy_poll_s: float,
-                    repeats: int = 200) -> float:  # fmt: skip
+def transport_floor(
+    kind: str, worker_id: str, endpoint: str, version: int, busy_poll_s: float, repeats: int = 200
+) -> float:
     """Median round trip of an empty request over `kind` (refused after the placement lookup, as
     its hidden width is wrong: still a full trip through the transport and the worker's parse)."""
     transport = make_transport(kind, {worker_id: endpoint}, busy_poll_s=busy_poll_s)
@@ -276,9 +288,14 @@ def main() -> None:
         run(llm, prompts, WARMUP_TOKENS)  # first touches (allocator, caches) out of the measured rows
         expected, _, _, _, tokens, _ = run_local()
         for num_workers in args.workers:
-            spec = ClusterSpec(mesh=f"bench-{num_workers}", model=path, num_experts=num_workers,
-                               num_threads=args.threads, log_dir=tmp,
-                               expert_args=("--expert-busy-poll", str(args.busy_poll)))  # fmt: skip
+            spec = ClusterSpec(
+                mesh=f"bench-{num_workers}",
+                model=path,
+                num_experts=num_workers,
+                num_threads=args.threads,
+                log_dir=tmp,
+                expert_args=("--expert-busy-poll", str(args.busy_poll)),
+            )
             cluster = LocalCluster(spec)
             try:
                 from moemesh.launcher.local_cluster import RedisServer
@@ -291,11 +308,14 @@ def main() -> None:
                 client.close()
                 endpoints = {s.name: s.grpc_endpoint for s in cluster.services.values()}
                 first = next(iter(endpoints))
-                floors = {kind: transport_floor(kind, first, endpoints[first], placement.version, args.busy_poll)
-                          for kind in args.transports}  # fmt: skip
+                floors = {
+                    kind: transport_floor(kind, first, endpoints[first], placement.version, args.busy_poll)
+                    for kind in args.transports
+                }
                 for kind in args.transports:  # each transport's first rounds (the workers' too) unmeasured
-                    warm = RemoteExpertExecutor(make_transport(kind, endpoints, busy_poll_s=args.busy_poll),
-                                                RemotePlacement(placement))  # fmt: skip
+                    warm = RemoteExpertExecutor(
+                        make_transport(kind, endpoints, busy_poll_s=args.busy_poll), RemotePlacement(placement)
+                    )
                     model.set_expert_executor(Timed(warm))
                     run(llm, prompts, WARMUP_TOKENS)
                     warm.close()
@@ -315,22 +335,61 @@ def main() -> None:
                         remote.close()
                 llm.engine.runner.micro_batch_overlap = None
                 for (kind, overlap), runs in passes.items():
-                    rows.append(remote_row(num_workers, kind, overlap, runs, expected, floors[kind], prompts, args,
-                                           num_moe_layers, llm))  # fmt: skip
+                    rows.append(
+                        remote_row(
+                            num_workers, kind, overlap, runs, expected, floors[kind], prompts, args, num_moe_layers, llm
+                        )
+                    )
             finally:
                 cluster.stop()
         model.set_expert_executor(local)
         local_step, local_moe = median_high(r[1] for r in local_runs), median_high(r[2] for r in local_runs)
         same = all(r[0] == expected for r in local_runs)
-        rows.insert(0, ["local", "-", "-", f"{local_step * 1e3:.1f}", f"{tokens / local_step:,.0f}", "1.00",
-                        f"{local_moe * 1e3:.2f}", "-", "-", "-", "-", "-", "0", "yes" if same else "NO",
-                        *["-" for _ in EXTRA_COLUMNS]])  # fmt: skip
-    print(f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
-          f"{num_moe_layers} MoE layers, {str(dtype).removeprefix('torch.')}; decode batch {args.requests} x {args.new_tokens} new tokens; "
-          f"{args.threads} torch thread(s) per process, CPU, loopback")  # fmt: skip
-    print_table(["experts", "transport", "overlap", "step ms", "tokens/s", "x local tok/s", "MoE ms/step",
-                 "overhead ms/layer", "vs local ms/layer", "waiting",
-                 "dispatcher CPU", "floor ms", "bytes/token", "same output", *EXTRA_COLUMNS], rows)  # fmt: skip
+        rows.insert(
+            0,
+            [
+                "local",
+                "-",
+                "-",
+                f"{local_step * 1e3:.1f}",
+                f"{tokens / local_step:,.0f}",
+                "1.00",
+                f"{local_moe * 1e3:.2f}",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "0",
+                "yes" if same else "NO",
+                *["-" for _ in EXTRA_COLUMNS],
+            ],
+        )
+    print(
+        f"Qwen3-MoE (random): hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}, "
+        f"{num_moe_layers} MoE layers, {str(dtype).removeprefix('torch.')}; decode batch {args.requests} x {args.new_tokens} new tokens; "
+        f"{args.threads} torch thread(s) per process, CPU, loopback"
+    )
+    print_table(
+        [
+            "experts",
+            "transport",
+            "overlap",
+            "step ms",
+            "tokens/s",
+            "x local tok/s",
+            "MoE ms/step",
+            "overhead ms/layer",
+            "vs local ms/layer",
+            "waiting",
+            "dispatcher CPU",
+            "floor ms",
+            "bytes/token",
+            "same output",
+            *EXTRA_COLUMNS,
+        ],
+        rows,
+    )
 
 
 def remote_row(num_workers, kind, overlap, runs, expected, floor, prompts, args, num_moe_layers, llm):
@@ -351,10 +410,22 @@ def remote_row(num_workers, kind, overlap, runs, expected, floor, prompts, args,
     ms = lambda v, fmt=".2f": f"{v * 1e3:{fmt}}" if serial else "-"  # noqa: E731
     same = "yes" if all(r[0] == expected for r in results) else "NO"
     return [
-        f"remote x{num_workers}", kind, overlap, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", f"{ratio:.2f}",
-        ms(moe), ms(overhead), ms(versus_local, "+.2f"), ms(wait), ms(moe - wait),
-        f"{floor * 1e3:.2f}", f"{moved / 1024:.1f} KiB", same, *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()],
-    ]  # fmt: skip
+        f"remote x{num_workers}",
+        kind,
+        overlap,
+        f"{step * 1e3:.1f}",
+        f"{tokens / step:,.0f}",
+        f"{ratio:.2f}",
+        ms(moe),
+        ms(overhead),
+        ms(versus_local, "+.2f"),
+        ms(wait),
+        ms(moe - wait),
+        f"{floor * 1e3:.2f}",
+        f"{moved / 1024:.1f} KiB",
+        same,
+        *[fn(llm, remote, result) for fn in EXTRA_COLUMNS.values()],
+    ]
 
 
 def remote_tokens(prompts, args) -> int:

@@ -72,8 +72,10 @@ def serve(args) -> None:
     shape = MoEShape("bench", (0,), args.experts, args.hidden, args.intermediate)
 
     def read(wanted):
-        return {(layer, e): expert_tensors(e, args.hidden, args.intermediate, device, dtype, args.seed)
-                for layer, e in wanted}  # fmt: skip
+        return {
+            (layer, e): expert_tensors(e, args.hidden, args.intermediate, device, dtype, args.seed)
+            for layer, e in wanted
+        }
 
     store = ReplicaStore(args.worker_id, shape, read)
     store.load(placement(args, args.num_workers))
@@ -99,8 +101,18 @@ def start_workers(args, num_workers: int, tmp: str) -> tuple[list[subprocess.Pop
     procs, files = [], []
     for i in range(num_workers):
         files.append(os.path.join(tmp, f"expert-{i}.port"))
-        cmd = [sys.executable, __file__, "serve", "--worker-id", f"expert-{i}", "--num-workers", str(num_workers),
-               "--port-file", files[-1], *shape_args(args)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "serve",
+            "--worker-id",
+            f"expert-{i}",
+            "--num-workers",
+            str(num_workers),
+            "--port-file",
+            files[-1],
+            *shape_args(args),
+        ]
         procs.append(subprocess.Popen(cmd))
     deadline = time.monotonic() + READY_TIMEOUT_S
     endpoints = {}
@@ -117,8 +129,18 @@ def start_workers(args, num_workers: int, tmp: str) -> tuple[list[subprocess.Pop
 
 
 def shape_args(args) -> list[str]:
-    return ["--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--experts", str(args.experts),
-            "--dtype", args.dtype, "--seed", str(args.seed)]  # fmt: skip
+    return [
+        "--hidden",
+        str(args.hidden),
+        "--intermediate",
+        str(args.intermediate),
+        "--experts",
+        str(args.experts),
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
+    ]
 
 
 def routing(num_tokens: int, args, device):
@@ -174,8 +196,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}, torch {torch.__version__}, {args.dtype}; one MoE layer: hidden {args.hidden}, "
-          f"{args.experts} experts of {args.intermediate}, top-{args.top_k}; median of {args.iters}")  # fmt: skip
+    print(
+        f"# {name}, torch {torch.__version__}, {args.dtype}; one MoE layer: hidden {args.hidden}, "
+        f"{args.experts} experts of {args.intermediate}, top-{args.top_k}; median of {args.iters}"
+    )
     tensors = [expert_tensors(e, args.hidden, args.intermediate, device, dtype, args.seed) for e in range(args.experts)]
 
     layer = types.SimpleNamespace(w13=torch.stack([t[0] for t in tensors]), w2=torch.stack([t[1] for t in tensors]))
@@ -199,8 +223,20 @@ def main() -> None:
                 for spec in args.transports:
                     kind, _, backend = spec.partition(":")
                     for n in args.tokens:
-                        rows.append(remote_row(args, spec, kind, backend or "gloo", endpoints, num_workers, n,
-                                               reference[n], local_ms[n], device))  # fmt: skip
+                        rows.append(
+                            remote_row(
+                                args,
+                                spec,
+                                kind,
+                                backend or "gloo",
+                                endpoints,
+                                num_workers,
+                                n,
+                                reference[n],
+                                local_ms[n],
+                                device,
+                            )
+                        )
                         print("  ", *rows[-1], flush=True)  # progress: a crash still leaves the rows so far
             finally:
                 for proc in procs:
@@ -208,8 +244,9 @@ def main() -> None:
                     proc.wait()
                 for path in os.listdir(tmp):
                     os.remove(os.path.join(tmp, path))
-    print_table(["experts", "transport", "tokens", "layer ms", "vs local", "worker compute", "overhead", "max |diff|"],
-                rows)  # fmt: skip
+    print_table(
+        ["experts", "transport", "tokens", "layer ms", "vs local", "worker compute", "overhead", "max |diff|"], rows
+    )
     for i, failure in enumerate(FAILURES, 1):
         print(f"({i}) {failure}")
 
@@ -229,8 +266,16 @@ def remote_row(args, spec, kind, backend, endpoints, num_workers, n, reference, 
         executor.close()
     compute_ms = compute / args.iters * 1e3
     diff = (out.float() - reference.float()).abs().max().item()
-    return [label, spec, n, f"{ms:.2f}", f"{ms - local_ms:+.2f}", f"{compute_ms:.2f}", f"{ms - compute_ms:.2f}",
-            f"{diff:.2e}"]  # fmt: skip
+    return [
+        label,
+        spec,
+        n,
+        f"{ms:.2f}",
+        f"{ms - local_ms:+.2f}",
+        f"{compute_ms:.2f}",
+        f"{ms - compute_ms:.2f}",
+        f"{diff:.2e}",
+    ]
 
 
 if __name__ == "__main__":

@@ -43,9 +43,12 @@ async def stream_once(endpoint: str, prompt: list[int], layout: KVLayout, chunk_
     async with grpc.aio.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", 8 << 20)]) as channel:
         stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
         request = prefill_pb2.PrefillRequest(
-            request_id=f"bench-{random.random()}", prompt_token_ids=prompt, layout=layout_to_proto(layout),
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=1), max_chunk_bytes=chunk_bytes,
-        )  # fmt: skip
+            request_id=f"bench-{random.random()}",
+            prompt_token_ids=prompt,
+            layout=layout_to_proto(layout),
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+            max_chunk_bytes=chunk_bytes,
+        )
         first_at, received = None, 0
         started = time.perf_counter()
         async for message in stub.Prefill(request):
@@ -58,9 +61,16 @@ async def stream_once(endpoint: str, prompt: list[int], layout: KVLayout, chunk_
 async def fetch_once(
     transport: GrpcKVTransport, endpoint: str, prompt: list[int], layout: KVLayout
 ) -> tuple[float, int]:
-    task = RemotePrefillTask(endpoint, f"bench-{random.random()}", prompt,
-                             common_pb2.SamplingParams(temperature=0.0, max_tokens=1), 0, layout, 120.0,
-                             idle_timeout_s=120.0)  # fmt: skip
+    task = RemotePrefillTask(
+        endpoint,
+        f"bench-{random.random()}",
+        prompt,
+        common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+        0,
+        layout,
+        120.0,
+        idle_timeout_s=120.0,
+    )
     started = time.perf_counter()
     num_bytes = 0
     async for item in transport.fetch(task):
@@ -81,8 +91,17 @@ async def measure(endpoint: str, lengths: list[int], repeats: int, chunk_bytes: 
         first_chunk_s = min(s[2] for s in streams)
         fetch_s = min(s for s, _ in fetches)
         num_bytes = streams[0][1]
-        rows.append([num_tokens, f"{num_bytes / 2**20:.1f}", f"{first_chunk_s * 1e3:.1f}", f"{stream_s * 1e3:.1f}",
-                     f"{num_bytes / stream_s / 1e9:.2f}", f"{fetch_s * 1e3:.1f}", f"{num_bytes / fetch_s / 1e9:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                num_tokens,
+                f"{num_bytes / 2**20:.1f}",
+                f"{first_chunk_s * 1e3:.1f}",
+                f"{stream_s * 1e3:.1f}",
+                f"{num_bytes / stream_s / 1e9:.2f}",
+                f"{fetch_s * 1e3:.1f}",
+                f"{num_bytes / fetch_s / 1e9:.2f}",
+            ]
+        )
     await transport.channels.close()
     return rows
 
@@ -98,15 +117,30 @@ def main() -> None:
     model_id = open_checkpoint(default_model_path()).model_id
     with tempfile.TemporaryDirectory() as logs:
         redis = RedisServer().start()
-        spec = ClusterSpec(redis_url=redis.url, mesh="bench-kv", log_dir=logs, num_threads=args.num_threads,
-                           worker_args=("--dtype", "float32", "--num-blocks", str(num_blocks), "--max-model-len", str(max(args.tokens) + 16),
-                                        "--max-num-batched-tokens", "4096",
-                                        "--kv-chunk-bytes", str(int(args.chunk_mib * 2**20))))  # fmt: skip
+        spec = ClusterSpec(
+            redis_url=redis.url,
+            mesh="bench-kv",
+            log_dir=logs,
+            num_threads=args.num_threads,
+            worker_args=(
+                "--dtype",
+                "float32",
+                "--num-blocks",
+                str(num_blocks),
+                "--max-model-len",
+                str(max(args.tokens) + 16),
+                "--max-num-batched-tokens",
+                "4096",
+                "--kv-chunk-bytes",
+                str(int(args.chunk_mib * 2**20)),
+            ),
+        )
         cluster = LocalCluster(spec)
         try:
             prefill = cluster.add_worker("prefill-0", "prefill", num_threads=args.num_threads)
-            rows = asyncio.run(measure(prefill.grpc_endpoint, args.tokens, args.repeats,
-                                       int(args.chunk_mib * 2**20), model_id))  # fmt: skip
+            rows = asyncio.run(
+                measure(prefill.grpc_endpoint, args.tokens, args.repeats, int(args.chunk_mib * 2**20), model_id)
+            )
         finally:
             cluster.stop()
             redis.stop()

@@ -107,16 +107,30 @@ def main() -> None:
         for num_tokens in args.tokens:
             x = torch.randn(num_tokens, args.hidden, device=device, dtype=dtype)  # [num_tokens, hidden]
             err = (layer(x).float() - naive_layer(x).float()).abs().max().item()
-            t = time_all({
-                "ours": lambda: (layer.runtime.expert_load.begin_step(), layer(x)),
-                "uncounted": lambda: uncounted(x),
-                "naive": lambda: naive_layer(x),
-            }, device, args.min_seconds)  # fmt: skip
+            t = time_all(
+                {
+                    "ours": lambda: (layer.runtime.expert_load.begin_step(), layer(x)),
+                    "uncounted": lambda: uncounted(x),
+                    "naive": lambda: naive_layer(x),
+                },
+                device,
+                args.min_seconds,
+            )
             ours, base, naive = t["ours"], t["uncounted"], t["naive"]
-            rows.append([num_tokens, f"{num_tokens / naive:,.0f}", f"{num_tokens / ours:,.0f}",
-                         f"{naive / ours:.2f}x", f"{(ours / base - 1) * 100:+.1f}%", f"{err:.1e}"])  # fmt: skip
-    print(f"MoE layer: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
-          f"top-{args.top_k}, {dtype}, {device}, {torch.get_num_threads()} threads")  # fmt: skip
+            rows.append(
+                [
+                    num_tokens,
+                    f"{num_tokens / naive:,.0f}",
+                    f"{num_tokens / ours:,.0f}",
+                    f"{naive / ours:.2f}x",
+                    f"{(ours / base - 1) * 100:+.1f}%",
+                    f"{err:.1e}",
+                ]
+            )
+    print(
+        f"MoE layer: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
+        f"top-{args.top_k}, {dtype}, {device}, {torch.get_num_threads()} threads"
+    )
     print_table(["tokens", "naive loop tok/s", "moemesh tok/s", "speed-up", "counting cost", "max |diff|"], rows)
 
 

@@ -58,11 +58,17 @@ def run_hf_static(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer.pad({"input_ids": prompt_ids}, return_tensors="pt")
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    kwargs = dict(
+        max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     with torch.inference_mode():
-        model.generate(batch["input_ids"][:2], attention_mask=batch["attention_mask"][:2], max_new_tokens=4,
-                       do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        model.generate(
+            batch["input_ids"][:2],
+            attention_mask=batch["attention_mask"][:2],
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         start = time.perf_counter()
         out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
         elapsed = time.perf_counter() - start
@@ -72,8 +78,9 @@ def run_hf_static(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int
 def run_hf_continuous(model, prompt_ids: list[list[int]], max_tokens: int) -> float:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                              eos_token_id=-1, pad_token_id=0)  # fmt: skip
+    config = GenerationConfig(
+        max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     with torch.inference_mode():
         start = time.perf_counter()
         results = model.generate_batch(inputs=prompt_ids, generation_config=config)
@@ -138,8 +145,11 @@ def _llama_cpp_child(path, prompt_ids, max_tokens, threads, repack, queue, repea
 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Parameters and buffers once each, RoPE tables (derived, not weights) left out."""
-    tensors = {t.data_ptr(): t for name, t in [*module.named_parameters(), *module.named_buffers()]
-               if "cos_sin" not in name and "inv_freq" not in name}  # fmt: skip
+    tensors = {
+        t.data_ptr(): t
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if "cos_sin" not in name and "inv_freq" not in name
+    }
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -153,9 +163,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="each engine's best of this many timed runs")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch and llama.cpp threads (default: torch's); on a shared machine 1 avoids "
-                             "OpenMP barrier stalls (llama.cpp on 2 busy vCPUs: 100 tok/s with 1 thread, 6 with 2)")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch and llama.cpp threads (default: torch's); on a shared machine 1 avoids "
+        "OpenMP barrier stalls (llama.cpp on 2 busy vCPUs: 100 tok/s with 1 thread, 6 with 2)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,21 +193,38 @@ def main() -> None:
         if dtype not in hf_models:
             hf_models.clear()  # one HF model resident at a time
             hf_models[dtype] = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype).eval()
-            sizes.append([f"HF {dtype}", mb(weight_bytes(hf_models[dtype])),
-                          f"{weight_bytes(hf_models[dtype]) / file_bytes:.2f}x"])  # fmt: skip
+            sizes.append(
+                [
+                    f"HF {dtype}",
+                    mb(weight_bytes(hf_models[dtype])),
+                    f"{weight_bytes(hf_models[dtype]) / file_bytes:.2f}x",
+                ]
+            )
         hf = hf_models[dtype]
         # no prefix caching: the warm-up's and an earlier repeat's prompts would skip prefill work HF does
-        llm = LLM(path, dtype=dtype, quantization=quantization, max_num_seqs=max(counts), show_progress=False,
-                  enable_prefix_caching=False)  # fmt: skip
-        sizes.append([f"moemesh {engine}", mb(weight_bytes(llm.engine.model)),
-                      f"{weight_bytes(llm.engine.model) / file_bytes:.2f}x"])  # fmt: skip
+        llm = LLM(
+            path,
+            dtype=dtype,
+            quantization=quantization,
+            max_num_seqs=max(counts),
+            show_progress=False,
+            enable_prefix_caching=False,
+        )
+        sizes.append(
+            [
+                f"moemesh {engine}",
+                mb(weight_bytes(llm.engine.model)),
+                f"{weight_bytes(llm.engine.model) / file_bytes:.2f}x",
+            ]
+        )
         for num in counts:
             ours = max(run_moemesh(llm, prompts[num], args.max_tokens) for _ in range(args.repeats))
             vs_llama = f"{ours / llama_cpp:.2f}x" if num == 1 and llama_cpp else "-"
             first = (dtype, num) not in static_runs
             if first:
-                static_runs[dtype, num] = max(run_hf_static(hf, tokenizer, prompts[num], args.max_tokens)
-                                              for _ in range(args.repeats))  # fmt: skip
+                static_runs[dtype, num] = max(
+                    run_hf_static(hf, tokenizer, prompts[num], args.max_tokens) for _ in range(args.repeats)
+                )
             static = static_runs[dtype, num]
             rows.append([dtype, num, f"moemesh {engine}", f"{ours:.1f}", f"{ours / static:.2f}x", vs_llama])
             if first:
@@ -213,9 +244,11 @@ def main() -> None:
     else:
         print(f"llama.cpp (GGUF as is), 1 request: {llama_cpp:.1f} tok/s; {llama_how}")
     print_table(["weights", "resident bytes", "vs GGUF file"], sizes)
-    print(f"\n{args.max_tokens} new tokens per request, greedy, ignore_eos, best of {args.repeats}; "
-          f"torch threads: {torch.get_num_threads()}; "
-          f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}")  # fmt: skip
+    print(
+        f"\n{args.max_tokens} new tokens per request, greedy, ignore_eos, best of {args.repeats}; "
+        f"torch threads: {torch.get_num_threads()}; "
+        f"torch {torch.__version__}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}"
+    )
 
 
 if __name__ == "__main__":

@@ -80,17 +80,36 @@ def main() -> None:
         result = {on: run(llm, prompts, args.max_tokens) for on, llm in engines.items()}
         identical = result[True][1] == result[False][1]
         model_ms, host_ms = 1e3 * timer.model_s / timer.rounds, 1e3 * timer.host_s / timer.rounds
-        rows.append([
-            batch, f"{result[False][0]:.1f}", f"{result[True][0]:.1f}",
-            f"{result[True][0] / result[False][0]:.2f}x", f"{model_ms:.1f}", f"{host_ms:.2f}",
-            f"{1 + host_ms / model_ms:.3f}x", "yes" if identical else "NO",
-        ])  # fmt: skip
-    print(f"SmolLM2-135M, {args.dtype}, {args.max_tokens} new tokens per request, CPU threads: "
-          f"{os.cpu_count()}")  # fmt: skip
-    print_table(["requests", "overlap off tok/s", "overlap on tok/s", "speed-up", "model ms/round",
-                 "host ms/round", "bound", "identical"], rows)  # fmt: skip
-    print("model / host ms per round: measured without overlap (runner.execute vs schedule + output "
-          "processing); bound = the speed-up if all host work were hidden")  # fmt: skip
+        rows.append(
+            [
+                batch,
+                f"{result[False][0]:.1f}",
+                f"{result[True][0]:.1f}",
+                f"{result[True][0] / result[False][0]:.2f}x",
+                f"{model_ms:.1f}",
+                f"{host_ms:.2f}",
+                f"{1 + host_ms / model_ms:.3f}x",
+                "yes" if identical else "NO",
+            ]
+        )
+    print(f"SmolLM2-135M, {args.dtype}, {args.max_tokens} new tokens per request, CPU threads: {os.cpu_count()}")
+    print_table(
+        [
+            "requests",
+            "overlap off tok/s",
+            "overlap on tok/s",
+            "speed-up",
+            "model ms/round",
+            "host ms/round",
+            "bound",
+            "identical",
+        ],
+        rows,
+    )
+    print(
+        "model / host ms per round: measured without overlap (runner.execute vs schedule + output "
+        "processing); bound = the speed-up if all host work were hidden"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,13 @@ from moemesh import kernels  # noqa: E402
 from moemesh.engine.layers.group_quantized import GroupQuantized  # noqa: E402
 from moemesh.engine.layers.quantized_linear import QuantizedLinear  # noqa: E402
 
-SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
-          "lm_head": (49152, 576)}  # fmt: skip
+SHAPES = {
+    "qkv_proj": (960, 576),
+    "o_proj": (576, 576),
+    "gate_up_proj": (3072, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
 
 
 def timed(fn, iters: int) -> float:
@@ -86,22 +91,29 @@ def main() -> None:
             cells = {
                 "dense fp32": timed(lambda: F.linear(x32, dense32), iters),
                 "dense bf16": timed(lambda: F.linear(x16, dense16), iters),
-                "int4pack bf16": timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x16, q4_bf16.packed, 32, q4_bf16.scales_zeros), iters),
+                "int4pack bf16": timed(
+                    lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, q4_bf16.packed, 32, q4_bf16.scales_zeros),
+                    iters,
+                ),
                 "int4pack dequant+dense bf16": timed(lambda: q4_bf16._int4pack_dequantized_matmul(x16), iters)
-                if q4_bf16.block_n else float("nan"),
+                if q4_bf16.block_n
+                else float("nan"),
                 "int8 groups bf16": timed(lambda: int8_groups(x16, groups_codes, groups_scales), iters),
                 "C int8 bf16": timed(lambda: kernels.quantized_gemv(x16, q8_bf16.codes, q8_bf16.scales), iters)
-                if has_gemv else float("nan"),
-                "C q4 fp32": timed(lambda: kernels.quantized_gemv(x32, q4_f32.codes, q4_f32.scales, q4_f32.mins),
-                                   iters) if has_gemv else float("nan"),
+                if has_gemv
+                else float("nan"),
+                "C q4 fp32": timed(lambda: kernels.quantized_gemv(x32, q4_f32.codes, q4_f32.scales, q4_f32.mins), iters)
+                if has_gemv
+                else float("nan"),
                 "C int8 dequant+dense bf16": timed(lambda: q8_bf16._dequantized_matmul(x16), max(2, iters // 4)),
                 "C q4 dequant+dense fp32": timed(lambda: q4_f32._dequantized_matmul(x32), max(2, iters // 4)),
-            }  # fmt: skip
+            }
             rows.append([name, f"{n}x{k}", m, *(f"{v:.0f}" for v in cells.values())])
             print_table(["projection", "N x K", "M", *cells], rows)
-    print(f"\nmicroseconds per call; torch {torch.__version__}, threads {torch.get_num_threads()}; C GEMV: "
-          f"{'built' if has_gemv else 'no compiler'}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}")  # fmt: skip
+    print(
+        f"\nmicroseconds per call; torch {torch.__version__}, threads {torch.get_num_threads()}; C GEMV: "
+        f"{'built' if has_gemv else 'no compiler'}; CPU flags: {' '.join(cpu_flags()) or 'none of the listed'}"
+    )
 
 
 if __name__ == "__main__":

@@ -68,9 +68,15 @@ async def run_policy(url: str, model: str, requests: list[tuple[int, str]], conc
             group, prompt = queue.get_nowait()
             started = time.perf_counter()
             ttft, usage = None, None
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})  # fmt: skip
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             async for chunk in stream:
                 if ttft is None and chunk.choices:
                     ttft = time.perf_counter() - started
@@ -93,8 +99,15 @@ def summarize(policy: str, results, elapsed: float, prefix_cached: int) -> list:
     best = (len(results) - len(groups)) * prefix_cached  # every request but each group's first
     output = sum(u.completion_tokens for _, _, u in results)
     p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
-    return [policy, f"{statistics.mean(ttfts) * 1e3:.0f}", f"{p90 * 1e3:.0f}", f"{len(results) / elapsed:.2f}",
-            f"{output / elapsed:.1f}", f"{cached / prompt:.1%}", f"{cached / best:.0%}"]  # fmt: skip
+    return [
+        policy,
+        f"{statistics.mean(ttfts) * 1e3:.0f}",
+        f"{p90 * 1e3:.0f}",
+        f"{len(results) / elapsed:.2f}",
+        f"{output / elapsed:.1f}",
+        f"{cached / prompt:.1%}",
+        f"{cached / best:.0%}",
+    ]
 
 
 def main() -> None:
@@ -123,18 +136,33 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     args = parser.parse_args()
     tokenizer = open_checkpoint(default_model_path()).tokenizer
-    worker_args = ("--num-blocks", str(args.num_blocks), "--max-model-len", str(args.prefix_tokens + 256),
-                   "--max-num-batched-tokens", str(args.max_num_batched_tokens))  # fmt: skip
+    worker_args = (
+        "--num-blocks",
+        str(args.num_blocks),
+        "--max-model-len",
+        str(args.prefix_tokens + 256),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    )
     router_args = ("--max-model-len", str(args.prefix_tokens + 256))  # kv_aware's weight; the others ignore it
     if args.prefill_weight is not None:
         router_args += ("--prefill-weight", str(args.prefill_weight))
     rows = []
     with tempfile.TemporaryDirectory() as logs:
         redis = RedisServer().start()
-        spec = ClusterSpec(num_prefill=1 if args.disaggregated else 0, num_decode=args.decode,
-                           aggregated=not args.disaggregated, http_port=0, redis_url=redis.url, mesh="bench-routing",
-                           num_threads=args.num_threads, worker_args=worker_args, log_dir=logs, policy=args.policies[0],
-                           router_args=router_args)  # fmt: skip
+        spec = ClusterSpec(
+            num_prefill=1 if args.disaggregated else 0,
+            num_decode=args.decode,
+            aggregated=not args.disaggregated,
+            http_port=0,
+            redis_url=redis.url,
+            mesh="bench-routing",
+            num_threads=args.num_threads,
+            worker_args=worker_args,
+            log_dir=logs,
+            policy=args.policies[0],
+            router_args=router_args,
+        )
         cluster = LocalCluster(spec)
         try:
             cluster.start()
@@ -146,22 +174,27 @@ def main() -> None:
             prefix_cached = args.prefix_tokens // BLOCK * BLOCK
             for policy in args.policies:
                 requests = workload(tokenizer, policy, args)
-                results, elapsed = asyncio.run(run_policy(urls[policy], model, requests, args.concurrency,
-                                                          args.max_tokens))  # fmt: skip
+                results, elapsed = asyncio.run(
+                    run_policy(urls[policy], model, requests, args.concurrency, args.max_tokens)
+                )
                 rows.append(summarize(policy, results, elapsed, prefix_cached))
                 print(f"  {policy}: done in {elapsed:.1f} s", flush=True)
         finally:
             cluster.stop()
             redis.stop()
     mode = "disaggregated (+1 prefill)" if args.disaggregated else "aggregated"
-    print(f"{args.groups} groups x {args.per_group} requests, ~{args.prefix_tokens}-token shared prefix, random order, "
-          f"{args.concurrency} in flight; {args.decode} decode workers ({mode}), "
-          f"{args.num_blocks} KV blocks each")  # fmt: skip
+    print(
+        f"{args.groups} groups x {args.per_group} requests, ~{args.prefix_tokens}-token shared prefix, random order, "
+        f"{args.concurrency} in flight; {args.decode} decode workers ({mode}), "
+        f"{args.num_blocks} KV blocks each"
+    )
     print_table(["policy", "mean TTFT ms", "p90 TTFT ms", "req/s", "out tok/s", "hit rate", "of best"], rows)
     by_policy = {r[0]: float(r[1]) for r in rows}
     if "round_robin" in by_policy and "kv_aware" in by_policy:
-        print(f"kv_aware mean TTFT is {by_policy['round_robin'] / by_policy['kv_aware']:.1f}x lower than round_robin "
-              "(target >= 3x); hit-rate target: >= 90% of best")  # fmt: skip
+        print(
+            f"kv_aware mean TTFT is {by_policy['round_robin'] / by_policy['kv_aware']:.1f}x lower than round_robin "
+            "(target >= 3x); hit-rate target: >= 90% of best"
+        )
 
 
 if __name__ == "__main__":

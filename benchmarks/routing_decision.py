@@ -24,10 +24,18 @@ from moemesh.router.worker_pool import WorkerPool  # noqa: E402
 
 
 def make_pool(num_workers: int) -> WorkerPool:
-    pool = WorkerPool(client=redis.Redis(port=1), mesh="bench", policy=KVAware(), prefill_policy=KVAware(queue_weight=0),
-                      block_size=16, disaggregated=True)  # fmt: skip
-    records = [registry.WorkerRecord(f"d{i}", "decode", f"127.0.0.1:{10000 + i}", "m", num_queued=i % 3,
-                                     num_blocks_used=i * 7) for i in range(num_workers)]  # fmt: skip
+    pool = WorkerPool(
+        client=redis.Redis(port=1),
+        mesh="bench",
+        policy=KVAware(),
+        prefill_policy=KVAware(queue_weight=0),
+        block_size=16,
+        disaggregated=True,
+    )
+    records = [
+        registry.WorkerRecord(f"d{i}", "decode", f"127.0.0.1:{10000 + i}", "m", num_queued=i % 3, num_blocks_used=i * 7)
+        for i in range(num_workers)
+    ]
     records += [registry.WorkerRecord(f"p{i}", "prefill", f"127.0.0.1:{20000 + i}", "m") for i in range(4)]
     pool._apply_records(records)
     return pool

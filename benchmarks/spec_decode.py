@@ -75,17 +75,17 @@ def main() -> None:
         f"ngram confidence k<={k}": SpecConfig(method="ngram", scheduling="confidence", num_speculative_tokens=k),
         f"draft itself fixed k={k}": SpecConfig(
             method="draft", draft_model=model, scheduling="fixed", num_speculative_tokens=k
-        ),  # fmt: skip
+        ),
         f"draft {layers}/30 layers fixed k={k}": SpecConfig(
             method="draft", draft_model=model, draft_num_layers=layers, scheduling="fixed", num_speculative_tokens=k
-        ),  # fmt: skip
+        ),
         f"draft {layers}/30 layers confidence k<={k}": SpecConfig(
             method="draft",
             draft_model=model,
             draft_num_layers=layers,
             scheduling="confidence",
             num_speculative_tokens=k,
-        ),  # fmt: skip
+        ),
     }
     results: dict[tuple[str, str], tuple[float, list[list[int]], SpecStats]] = {}
     for name, spec in configs.items():  # one engine per configuration, both workloads
@@ -101,12 +101,20 @@ def main() -> None:
         baseline_rate, baseline, _ = results[workload, "none"]
         for name, spec in configs.items():
             rate, outputs, stats = results[workload, name]
-            rows.append([workload, name, f"{rate:.1f}", f"{rate / baseline_rate:.2f}x",
-                         f"{stats.mean_accepted_length:.2f}" if spec.enabled else "-",
-                         f"{stats.acceptance_rate:.2f}" if spec.enabled else "-",
-                         "yes" if outputs == baseline else "NO"])  # fmt: skip
-    print_table(["workload", "speculation", "decode tok/s", "speed-up", "mean accepted", "acceptance", "identical"],
-                rows)  # fmt: skip
+            rows.append(
+                [
+                    workload,
+                    name,
+                    f"{rate:.1f}",
+                    f"{rate / baseline_rate:.2f}x",
+                    f"{stats.mean_accepted_length:.2f}" if spec.enabled else "-",
+                    f"{stats.acceptance_rate:.2f}" if spec.enabled else "-",
+                    "yes" if outputs == baseline else "NO",
+                ]
+            )
+    print_table(
+        ["workload", "speculation", "decode tok/s", "speed-up", "mean accepted", "acceptance", "identical"], rows
+    )
 
 
 if __name__ == "__main__":

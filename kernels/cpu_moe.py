@@ -86,17 +86,33 @@ def grouped_moe(
     lib = lib or library()
     num_entries = sum(sizes)
     if len(experts) != len(sizes) or row_ids.numel() != num_entries or weights.numel() != num_entries:
-        raise ValueError(f"grouped_moe: {len(experts)} experts, {len(sizes)} sizes ({num_entries} entries), "
-                         f"{row_ids.numel()} row ids, {weights.numel()} weights")  # fmt: skip
+        raise ValueError(
+            f"grouped_moe: {len(experts)} experts, {len(sizes)} sizes ({num_entries} entries), "
+            f"{row_ids.numel()} row ids, {weights.numel()} weights"
+        )
     row_ids = row_ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     groups = torch.tensor([experts, sizes], dtype=torch.int64)  # [2, num_groups]
     num_tokens, hidden = hidden_states.shape
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-    rc = lib.grouped_moe(hidden_states.data_ptr(), hidden_states.stride(0), num_tokens, w13.data_ptr(), w2.data_ptr(),
-                         w13.shape[0], hidden, w2.shape[2], row_ids.data_ptr(), groups[0].data_ptr(),
-                         groups[1].data_ptr(), len(experts), weights.data_ptr(), out.data_ptr(),
-                         int(hidden_states.dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
+    rc = lib.grouped_moe(
+        hidden_states.data_ptr(),
+        hidden_states.stride(0),
+        num_tokens,
+        w13.data_ptr(),
+        w2.data_ptr(),
+        w13.shape[0],
+        hidden,
+        w2.shape[2],
+        row_ids.data_ptr(),
+        groups[0].data_ptr(),
+        groups[1].data_ptr(),
+        len(experts),
+        weights.data_ptr(),
+        out.data_ptr(),
+        int(hidden_states.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     if rc == -1:
         raise IndexError(f"grouped_moe: an expert id (of {w13.shape[0]}) or row id (of {num_tokens}) is out of range")
     if rc != 0:

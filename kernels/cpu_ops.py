@@ -38,10 +38,45 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.rope_neox.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i32]
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
-    lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr,
-                                           i64, i64, i32]  # fmt: skip
-    lib.paged_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32,
-                                            ptr, i64, i64, i32]  # fmt: skip
+    lib.paged_decode_attention.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        ptr,
+        i64,
+        i64,
+        i32,
+    ]
+    lib.paged_prefill_attention.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        ptr,
+        i64,
+        i64,
+        i32,
+    ]
     for fn in (lib.rms_norm, lib.rope_neox, lib.store_kv, lib.paged_decode_attention, lib.paged_prefill_attention):
         fn.restype = i32
     declare_parts(lib, "paged_decode_attention", 14)
@@ -89,10 +124,19 @@ def rms_norm(
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)
     summed = torch.empty(rows, hidden, dtype=x.dtype) if residual is not None else None
-    rc = lib.rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                      0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
-                      None if summed is None else summed.data_ptr(), rows, hidden, eps,
-                      int(x.dtype == torch.bfloat16))  # fmt: skip
+    rc = lib.rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if summed is None else summed.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        int(x.dtype == torch.bfloat16),
+    )
     if rc != 0:
         raise ValueError(f"rms_norm: unsupported hidden size {hidden}")
     return out if residual is None else (out, summed)
@@ -133,8 +177,20 @@ def rope_neox(
     max_position, rotary_dim = cos_sin_cache.shape
     bf16 = int(query.dtype == torch.bfloat16)
     for x, out in ((query, q_out), (key, k_out)):
-        rc = lib.rope_neox(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin_cache.data_ptr(), max_position,
-                           out.data_ptr(), out.stride(0), tokens, x.shape[1], head_dim, rotary_dim, bf16)  # fmt: skip
+        rc = lib.rope_neox(
+            x.data_ptr(),
+            x.stride(0),
+            positions.data_ptr(),
+            cos_sin_cache.data_ptr(),
+            max_position,
+            out.data_ptr(),
+            out.stride(0),
+            tokens,
+            x.shape[1],
+            head_dim,
+            rotary_dim,
+            bf16,
+        )
         if rc != 0:
             raise IndexError(f"rotary embedding: a position outside [0, {max_position}) or rotary_dim {rotary_dim}")
     return q_out, k_out
@@ -171,9 +227,19 @@ def store_kv(
     tokens = key.shape[0]
     row = key.shape[1] * key.shape[2]
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-                      v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, row, num_slots,
-                      int(key.dtype == torch.bfloat16))  # fmt: skip
+    rc = lib.store_kv(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        tokens,
+        row,
+        num_slots,
+        int(key.dtype == torch.bfloat16),
+    )
     if rc != 0:
         raise IndexError(f"store_kv: a slot beyond the cache's {num_slots}")
 
@@ -181,8 +247,9 @@ def store_kv(
 PARALLEL_MIN_SCORES = 1 << 14  # query heads x cached tokens below which one thread does a round
 
 
-def decode_attention_usable(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                            context_lens: torch.Tensor) -> bool:  # fmt: skip
+def decode_attention_usable(
+    query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> bool:
     return (
         query.dtype in DTYPES
         and _rows_ok(query, query.dtype)
@@ -217,9 +284,22 @@ def paged_decode_attention(
     if num_reqs == 0:
         return out
     work = heads * block_tables.shape[1] * block_size * num_reqs  # an upper bound on the scores
-    args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], context_lens.data_ptr(), num_blocks, block_size, heads, kv_heads, head_dim,
-            scale, out.data_ptr())  # fmt: skip
+    args = (
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        num_blocks,
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+        out.data_ptr(),
+    )
     _run_requests(lib, "paged_decode_attention", args, query, num_reqs, work >= PARALLEL_MIN_SCORES, "")
     return out
 
@@ -240,8 +320,10 @@ def _run_requests(lib, name: str, args: tuple, query: torch.Tensor, num_reqs: in
         raise MemoryError(f"{name}: no memory for the scores")
     if rc != 0:
         heads, head_dim = query.shape[1:]
-        raise IndexError(f"{name}: a block id{what} or context length outside the cache, or shapes past its "
-                         f"buffers (heads {heads}, head_dim {head_dim})")  # fmt: skip
+        raise IndexError(
+            f"{name}: a block id{what} or context length outside the cache, or shapes past its "
+            f"buffers (heads {heads}, head_dim {head_dim})"
+        )
 
 
 # A round's prefill runs here while each request's (query, visible token) pairs stay within this;
@@ -251,8 +333,13 @@ def _run_requests(lib, name: str, args: tuple, query: torch.Tensor, num_reqs: in
 PREFILL_ATTENTION_MAX_PAIRS = 1 << 15
 
 
-def prefill_attention_usable(query: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             context_lens: torch.Tensor, block_tables: torch.Tensor) -> bool:  # fmt: skip
+def prefill_attention_usable(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> bool:
     if not (
         decode_attention_usable(query, k_cache, block_tables, context_lens)
         and cu_seqlens_q.dtype == torch.int32
@@ -285,8 +372,22 @@ def paged_prefill_attention(
         return out
     if int(cu_seqlens_q[-1]) > num_tokens:
         raise IndexError(f"paged_prefill_attention: query offsets past its {num_tokens} tokens")
-    args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], cu_seqlens_q.data_ptr(), context_lens.data_ptr(), num_blocks, block_size, heads,
-            kv_heads, head_dim, scale, out.data_ptr())  # fmt: skip
+    args = (
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        cu_seqlens_q.data_ptr(),
+        context_lens.data_ptr(),
+        num_blocks,
+        block_size,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+        out.data_ptr(),
+    )
     _run_requests(lib, "paged_prefill_attention", args, query, num_reqs, True, ", a query offset")
     return out

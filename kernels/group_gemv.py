@@ -58,8 +58,14 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     lib.blocks_gather.argtypes = [ptr, i32, ptr, ptr, i32, i64, i64, i64, i64, ptr, i64, i64, i64, ptr]
     lib.blocks_gemm.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
     lib.blocks_gemm_bf16.argtypes = lib.blocks_gemm.argtypes
-    for name in ("blocks_gemv", "blocks_gemm", "blocks_gemm_bf16", "blocks_gather", "blocks_block_n",
-                 "blocks_bf16_gemm"):  # fmt: skip
+    for name in (
+        "blocks_gemv",
+        "blocks_gemm",
+        "blocks_gemm_bf16",
+        "blocks_gather",
+        "blocks_block_n",
+        "blocks_bf16_gemm",
+    ):
         getattr(lib, name).restype = i32
     declare_parts(lib, "group_gemv", 12)
     declare_parts(lib, "group_dequantize", 7)
@@ -68,8 +74,11 @@ def build(target_flags: tuple[str, ...] = NATIVE_FLAGS) -> ctypes.CDLL | None:
     declare_parts(lib, "blocks_gemm", 12)
     declare_parts(lib, "blocks_gemm_bf16", 12)
     declare_parts(lib, "blocks_gather", 11)
-    log.info("group-quantized GEMV built for %s (%d-bit vectors)", " ".join(target_flags) or "no target flags",
-             lib.group_gemv_width())  # fmt: skip
+    log.info(
+        "group-quantized GEMV built for %s (%d-bit vectors)",
+        " ".join(target_flags) or "no target flags",
+        lib.group_gemv_width(),
+    )
     return lib
 
 
@@ -93,8 +102,9 @@ def group_gemv(
     nibbles = codes.dtype == torch.uint8
     expected = (n, k // 2 if nibbles else k)
     if codes.shape != expected or k % num_groups or codes.dtype not in (torch.int8, torch.uint8):
-        raise ValueError(f"group_gemv: x {tuple(x.shape)}, codes {tuple(codes.shape)} {codes.dtype}, "
-                         f"scale {tuple(scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"group_gemv: x {tuple(x.shape)}, codes {tuple(codes.shape)} {codes.dtype}, scale {tuple(scale.shape)}"
+        )
     half = scale.dtype == torch.float16
     if scale.dtype not in (torch.float16, torch.float32) or (mins is not None and mins.dtype != scale.dtype):
         raise ValueError("group_gemv: scale (and mins) must be float16 or float32, of one dtype")
@@ -108,8 +118,20 @@ def group_gemv(
     parts = _row_ranges(n, n * k, torch.get_num_threads())
     for r in range(0, m, MAX_M):
         rows = min(MAX_M, m - r)
-        args = (codes.data_ptr(), int(nibbles), scale.data_ptr(), mins_ptr, int(half), xf[r].data_ptr(),
-                xsum[r].data_ptr(), y[r].data_ptr(), rows, n, k, group)  # fmt: skip
+        args = (
+            codes.data_ptr(),
+            int(nibbles),
+            scale.data_ptr(),
+            mins_ptr,
+            int(half),
+            xf[r].data_ptr(),
+            xsum[r].data_ptr(),
+            y[r].data_ptr(),
+            rows,
+            n,
+            k,
+            group,
+        )
         if run_parts(lib, "group_gemv", args, (), parts) != 0:  # each thread a range of output rows
             raise ValueError(f"group_gemv: unsupported shapes (N={n}, K={k}, group={group}, nibbles={nibbles})")
     return y
@@ -138,8 +160,15 @@ def dequantize(
         out = torch.empty(num, k, dtype=dtype)
     if out.shape != (num, k) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"dequantize: out {tuple(out.shape)} {out.dtype}, expected ({num}, {k}) {dtype}")
-    args = (codes.data_ptr(), int(nibbles), scale.data_ptr(), None if mins is None else mins.data_ptr(),
-            int(scale.dtype == torch.float16), None if index is None else index.data_ptr(), begin)  # fmt: skip
+    args = (
+        codes.data_ptr(),
+        int(nibbles),
+        scale.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        int(scale.dtype == torch.float16),
+        None if index is None else index.data_ptr(),
+        begin,
+    )
     tail = (k, k // num_groups, out.data_ptr(), int(dtype == torch.bfloat16))
     _run_split(lib, "group_dequantize", args, tail, _row_ranges(num, num * k, torch.get_num_threads()))
     return out
@@ -185,10 +214,17 @@ def int4pack_dequantize(
     begin, end, _ = columns.indices(n)
     if out is None:
         out = torch.empty(k, end - begin, dtype=torch.bfloat16)
-    if check and (out.shape != (k, end - begin) or out.dtype != torch.bfloat16 or not out.is_contiguous()
-                  or scales_zeros.dtype != torch.bfloat16 or scales_zeros.shape != (k // group, n, 2)):  # fmt: skip
-        raise ValueError(f"int4pack_dequantize: out {tuple(out.shape)} {out.dtype}, scales_zeros "
-                         f"{tuple(scales_zeros.shape)} {scales_zeros.dtype} for a [{n}, {k}] weight")  # fmt: skip
+    if check and (
+        out.shape != (k, end - begin)
+        or out.dtype != torch.bfloat16
+        or not out.is_contiguous()
+        or scales_zeros.dtype != torch.bfloat16
+        or scales_zeros.shape != (k // group, n, 2)
+    ):
+        raise ValueError(
+            f"int4pack_dequantize: out {tuple(out.shape)} {out.dtype}, scales_zeros "
+            f"{tuple(scales_zeros.shape)} {scales_zeros.dtype} for a [{n}, {k}] weight"
+        )
     args = (packed.data_ptr(), scales_zeros.data_ptr(), n, k, group, block_n, begin, end)
     parts = _row_ranges(k, k * (end - begin), torch.get_num_threads())
     ok = _run_split(lib, "int4pack_dequantize", args, (out.data_ptr(),), parts, raise_on_error=check)
@@ -220,8 +256,9 @@ def _blocks_args(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor |
     bits = {torch.uint8: 4, torch.int8: 8}.get(packed.dtype, 0)
     k = packed.shape[1] * (2 if bits == 4 else 1)
     if not bits or packed.shape[0] != n or k % num_groups or n % block_n:
-        raise ValueError(f"code blocks: packed {tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)}, "
-                         f"blocks of {block_n}")  # fmt: skip
+        raise ValueError(
+            f"code blocks: packed {tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)}, blocks of {block_n}"
+        )
     if scale.dtype not in (torch.float16, torch.float32) or (mins is not None and mins.dtype != scale.dtype):
         raise ValueError("code blocks: scale (and mins) must be float16 or float32, of one dtype")
     if not all(t is None or t.is_contiguous() for t in (packed, scale, mins)) or (
@@ -250,8 +287,21 @@ def blocks_gemv(
     xf = x.detach().to(torch.float32).contiguous()
     xsum = xf.view(m, k // group, group).sum(-1) if mins is not None else xf  # [M, G] (unread without mins)
     y = torch.empty(m, n, dtype=torch.float32)
-    args = (codes_ptr, bits, scale_ptr, mins_ptr, half, xf.data_ptr(), xsum.data_ptr(), y.data_ptr(), m, n, k, group,
-            block_n)  # fmt: skip
+    args = (
+        codes_ptr,
+        bits,
+        scale_ptr,
+        mins_ptr,
+        half,
+        xf.data_ptr(),
+        xsum.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        group,
+        block_n,
+    )
     _run_split(lib, "blocks_gemv", args, (), _block_ranges(n, block_n, n * k, torch.get_num_threads()))
     return y
 
@@ -300,8 +350,19 @@ def blocks_gather(
         out = torch.empty(num, k, dtype=torch.float32)
     if out.shape != (num, k) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"blocks_gather: out {tuple(out.shape)} {out.dtype}, expected ({num}, {k}) float32")
-    args = (codes_ptr, bits, scale_ptr, mins_ptr, half, n, k, group, block_n,
-            None if index is None else index.data_ptr(), begin)  # fmt: skip
+    args = (
+        codes_ptr,
+        bits,
+        scale_ptr,
+        mins_ptr,
+        half,
+        n,
+        k,
+        group,
+        block_n,
+        None if index is None else index.data_ptr(),
+        begin,
+    )
     _run_split(lib, "blocks_gather", args, (out.data_ptr(),), _row_ranges(num, num * k, torch.get_num_threads()))
     return out
 

@@ -26,8 +26,7 @@ from moemesh.kernels.c_library import CSRC, compile_library
 
 SOURCE = CSRC / "moe_dispatch.c"
 BAD_EXPERT, BAD_SLOT, NO_MEMORY = -1, -2, -3  # plan_dispatch's codes
-GROUP_ERRORS = {-1: "bad_slot", -2: "bad_size", -3: "not_local", -4: "wrong_expert", -5: "row_count",
-                -6: "bad_row"}  # fmt: skip
+GROUP_ERRORS = {-1: "bad_slot", -2: "bad_size", -3: "not_local", -4: "wrong_expert", -5: "row_count", -6: "bad_row"}
 BATCH_FIELDS = 7  # worker, entries [begin, end), groups [begin, end), tokens [begin, end)
 
 
@@ -60,8 +59,15 @@ class LayerTables:
         table = None if log2phy is None else i64(log2phy)
         rank = np.empty_like(owner)
         rank[np.argsort(owner, kind="stable")] = np.arange(owner.size)
-        args = (None if table is None else table.ctypes.data, counts.ctypes.data, counts.size,
-                1 if table is None else table.shape[1], owner.ctypes.data, rank.ctypes.data, owner.size)  # fmt: skip
+        args = (
+            None if table is None else table.ctypes.data,
+            counts.ctypes.data,
+            counts.size,
+            1 if table is None else table.shape[1],
+            owner.ctypes.data,
+            rank.ctypes.data,
+            owner.size,
+        )
         return cls(table, counts, owner, rank, args)
 
 
@@ -82,33 +88,60 @@ class DispatchPlan:
     weights: torch.Tensor  # [n] float32 gate weight of each sorted entry
 
 
-def plan_dispatch(lib: ctypes.CDLL, tables: LayerTables, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> DispatchPlan:  # fmt: skip
+def plan_dispatch(
+    lib: ctypes.CDLL, tables: LayerTables, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> DispatchPlan:
     """`topk_ids` int64 and `topk_weights` float32 [num_tokens, top_k], contiguous on the CPU
     (TypeError otherwise). ValueError naming the ids when some id has no replica in `tables`."""
-    if (topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32 or topk_ids.dim() != 2
-            or topk_ids.shape != topk_weights.shape or not topk_ids.is_contiguous()
-            or not topk_weights.is_contiguous() or not topk_ids.is_cpu or not topk_weights.is_cpu):  # fmt: skip
-        raise TypeError(f"plan_dispatch reads contiguous CPU int64 ids and float32 weights of one 2-d shape, got "
-                        f"{topk_ids.dtype} {list(topk_ids.shape)} and {topk_weights.dtype} {list(topk_weights.shape)}")  # fmt: skip
+    if (
+        topk_ids.dtype != torch.int64
+        or topk_weights.dtype != torch.float32
+        or topk_ids.dim() != 2
+        or topk_ids.shape != topk_weights.shape
+        or not topk_ids.is_contiguous()
+        or not topk_weights.is_contiguous()
+        or not topk_ids.is_cpu
+        or not topk_weights.is_cpu
+    ):
+        raise TypeError(
+            f"plan_dispatch reads contiguous CPU int64 ids and float32 weights of one 2-d shape, got "
+            f"{topk_ids.dtype} {list(topk_ids.shape)} and {topk_weights.dtype} {list(topk_weights.shape)}"
+        )
     num_tokens, top_k = topk_ids.shape
     n = num_tokens * top_k
     out = np.empty(9 * n + BATCH_FIELDS * tables.slot_owner.size, dtype=np.int32)
     weights = torch.empty(n, dtype=torch.float32)
-    num = lib.plan_dispatch(topk_ids.data_ptr(), topk_weights.data_ptr(), num_tokens, top_k, *tables.args,
-                            out.ctypes.data, weights.data_ptr())  # fmt: skip
+    num = lib.plan_dispatch(
+        topk_ids.data_ptr(),
+        topk_weights.data_ptr(),
+        num_tokens,
+        top_k,
+        *tables.args,
+        out.ctypes.data,
+        weights.data_ptr(),
+    )
     if num == NO_MEMORY:
         raise MemoryError("plan_dispatch: out of memory")
     if num < 0:
         why = "a replica outside the slots" if num == BAD_SLOT else "an id out of range or without a replica"
-        raise ValueError(f"expert ids {sorted(set(topk_ids.view(-1).tolist()))} are not all in the placement "
-                         f"({tables.replica_counts.size} experts): {why}")  # fmt: skip
+        raise ValueError(
+            f"expert ids {sorted(set(topk_ids.view(-1).tolist()))} are not all in the placement "
+            f"({tables.replica_counts.size} experts): {why}"
+        )
     parts = out[: 9 * n].reshape(9, n)
     return DispatchPlan(*parts, out[9 * n : 9 * n + BATCH_FIELDS * num].reshape(num, BATCH_FIELDS), weights)
 
 
-def check_groups(lib: ctypes.CDLL, slots: np.ndarray, experts: np.ndarray, sizes: np.ndarray, row_ids: np.ndarray,
-                 num_rows: int, local_index: np.ndarray, phy2log: np.ndarray):  # fmt: skip
+def check_groups(
+    lib: ctypes.CDLL,
+    slots: np.ndarray,
+    experts: np.ndarray,
+    sizes: np.ndarray,
+    row_ids: np.ndarray,
+    num_rows: int,
+    local_index: np.ndarray,
+    phy2log: np.ndarray,
+):
     """(group_local int64 [G], group_rows int64 [G], row ids int64 [n]), or (error name, index):
     moe_dispatch.c's check_groups over int32 group/row arrays of equal group counts and int64
     tables (phy2log: the layer's row)."""
@@ -118,9 +151,19 @@ def check_groups(lib: ctypes.CDLL, slots: np.ndarray, experts: np.ndarray, sizes
     local_index, phy2log = (np.ascontiguousarray(a, dtype=np.int64) for a in (local_index, phy2log))
     num_groups = slots.size
     out = np.empty(2 * num_groups + row_ids.size + 1, dtype=np.int64)  # moe_dispatch.c names the layout
-    code = lib.check_groups(slots.ctypes.data, experts.ctypes.data, sizes.ctypes.data, num_groups, row_ids.ctypes.data,
-                            row_ids.size, num_rows, local_index.ctypes.data, phy2log.ctypes.data, local_index.size,
-                            out.ctypes.data)  # fmt: skip
+    code = lib.check_groups(
+        slots.ctypes.data,
+        experts.ctypes.data,
+        sizes.ctypes.data,
+        num_groups,
+        row_ids.ctypes.data,
+        row_ids.size,
+        num_rows,
+        local_index.ctypes.data,
+        phy2log.ctypes.data,
+        local_index.size,
+        out.ctypes.data,
+    )
     if code:
         return GROUP_ERRORS[code], int(out[-1])
     return out[:num_groups], out[num_groups : 2 * num_groups], out[2 * num_groups : -1]

@@ -90,8 +90,9 @@ def paged_decode_attention_ref(
     k, v = gather_kv(k_cache, plan.tables), gather_kv(v_cache, plan.tables)  # [num_reqs, len, kvh, d]
     if num_reqs == 1:  # one stream: K/V cut to its length, nothing to mask
         k, v = k[:, : plan.max_len].transpose(1, 2), v[:, : plan.max_len].transpose(1, 2)  # [1, kvh, len, d]
-        out = F.scaled_dot_product_attention(query[:, :, None], k.to(query.dtype), v.to(query.dtype),
-                                             scale=scale, enable_gqa=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            query[:, :, None], k.to(query.dtype), v.to(query.dtype), scale=scale, enable_gqa=True
+        )
         return out[:, :, 0]  # [1, heads, d]
     if num_kv_heads <= ALL_HEADS_MAX_KV_HEADS:
         length = k.shape[1]

@@ -169,10 +169,12 @@ def stabilised(
     """Steps 2-4 for a role whose raw recommendation comes from elsewhere (the expert workers) and
     whose changes take several ticks to apply: the caller records each applied change with
     ``record_scale``, so the rate limits count what was done, not what was wished."""
-    history, events, desired = _step(state.history.get(role, ()), state.events.get(role, ()), now, current, raw,
-                                     telemetry, policy)  # fmt: skip
-    return desired, dataclasses.replace(state, history={**state.history, role: history},
-                                        events={**state.events, role: events})  # fmt: skip
+    history, events, desired = _step(
+        state.history.get(role, ()), state.events.get(role, ()), now, current, raw, telemetry, policy
+    )
+    return desired, dataclasses.replace(
+        state, history={**state.history, role: history}, events={**state.events, role: events}
+    )
 
 
 def record_scale(state: AutoscalerState, role: str, now: float, delta: int) -> AutoscalerState:

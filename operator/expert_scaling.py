@@ -48,8 +48,12 @@ class ExpertScalingPolicy:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}")
         if self.slots_per_worker < 1 or self.target_tokens_per_second <= 0:
             raise ValueError("slots_per_worker must be >= 1 and target_tokens_per_second > 0")
-        counts = {"min_workers": self.min_workers, "max_workers": self.max_workers,
-                  "max_step_up": self.max_step_up, "max_step_down": self.max_step_down}  # fmt: skip
+        counts = {
+            "min_workers": self.min_workers,
+            "max_workers": self.max_workers,
+            "max_step_up": self.max_step_up,
+            "max_step_down": self.max_step_down,
+        }
         uneven = [f"{name}={value}" for name, value in counts.items() if value % self.worker_multiple]
         if uneven:
             raise ValueError(f"{', '.join(uneven)} must be multiples of the {self.worker_multiple} nodes")
@@ -57,11 +61,16 @@ class ExpertScalingPolicy:
     def scaling_policy(self, num_experts: int) -> ScalingPolicy:
         return ScalingPolicy(
             min_replicas=max(self.min_workers, self.min_workers_for_memory(num_experts)),
-            max_replicas=self.max_workers, target_requests_per_replica=None, target_kv_usage=None,
-            scale_up_window_s=self.scale_up_window_s, scale_down_window_s=self.scale_down_window_s,
-            max_step_up=self.max_step_up, max_step_down=self.max_step_down,
-            scale_up_period_s=self.scale_up_period_s, scale_down_period_s=self.scale_down_period_s,
-        )  # fmt: skip
+            max_replicas=self.max_workers,
+            target_requests_per_replica=None,
+            target_kv_usage=None,
+            scale_up_window_s=self.scale_up_window_s,
+            scale_down_window_s=self.scale_down_window_s,
+            max_step_up=self.max_step_up,
+            max_step_down=self.max_step_down,
+            scale_up_period_s=self.scale_up_period_s,
+            scale_down_period_s=self.scale_down_period_s,
+        )
 
     def min_workers_for_memory(self, num_experts: int) -> int:
         return self.whole_nodes(math.ceil(num_experts / self.slots_per_worker))
@@ -78,11 +87,17 @@ class ExpertTelemetry:
     tokens_per_second: float  # summed over the workers, over the recent load windows
 
 
-def layout_for(num_workers: int, num_experts: int, policy: ExpertScalingPolicy, num_groups: int = 1,
-               num_nodes: int = 1) -> EplbLayout:  # fmt: skip
+def layout_for(
+    num_workers: int, num_experts: int, policy: ExpertScalingPolicy, num_groups: int = 1, num_nodes: int = 1
+) -> EplbLayout:
     """Every worker's slots in use: num_slots = num_workers * slots_per_worker (>= num_experts)."""
-    return EplbLayout(num_experts=num_experts, num_slots=num_workers * policy.slots_per_worker,
-                      num_workers=num_workers, num_groups=num_groups, num_nodes=num_nodes)  # fmt: skip
+    return EplbLayout(
+        num_experts=num_experts,
+        num_slots=num_workers * policy.slots_per_worker,
+        num_workers=num_workers,
+        num_groups=num_groups,
+        num_nodes=num_nodes,
+    )
 
 
 def raw_workers(telemetry: ExpertTelemetry, policy: ExpertScalingPolicy, num_experts: int, current: int) -> int:
@@ -95,9 +110,13 @@ def raw_workers(telemetry: ExpertTelemetry, policy: ExpertScalingPolicy, num_exp
 
 
 def decide_expert_workers(
-    state: AutoscalerState, now: float, current: int, telemetry: ExpertTelemetry,
-    policy: ExpertScalingPolicy, num_experts: int,
-) -> tuple[int, AutoscalerState]:  # fmt: skip
+    state: AutoscalerState,
+    now: float,
+    current: int,
+    telemetry: ExpertTelemetry,
+    policy: ExpertScalingPolicy,
+    num_experts: int,
+) -> tuple[int, AutoscalerState]:
     """Desired expert workers (stabilised, rate-limited, within min/max and memory)."""
     raw = raw_workers(telemetry, policy, num_experts, current)
     role_telemetry = RoleTelemetry(num_ready=telemetry.num_ready, num_pending=telemetry.num_pending)

@@ -59,14 +59,21 @@ def expert_scale_step(
     num_registered = sum(1 for worker_id in ids[:replicas] if worker_id in experts)
     load = read_expert_load(client, mesh, num_layers, num_experts, clock=clock)
     tokens_per_second = float(load.counts.sum()) / load.max_window_s if load.num_workers else 0.0
-    telemetry = ExpertTelemetry(num_ready=num_registered, num_pending=replicas - num_registered,
-                                tokens_per_second=tokens_per_second)  # fmt: skip
+    telemetry = ExpertTelemetry(
+        num_ready=num_registered, num_pending=replicas - num_registered, tokens_per_second=tokens_per_second
+    )
     desired, state = decide_expert_workers(state, now, replicas, telemetry, policy, num_experts)
     active, pending = store.current(), store.pending()
     leaving = [experts.get(worker_id) for worker_id in ids[desired:replicas]]
     drained = all(record is None or record.num_experts_held == 0 for record in leaving)
-    action = next_action(replicas, desired, num_registered, active.num_workers if active else None,
-                         pending.num_workers if pending else None, drained)  # fmt: skip
+    action = next_action(
+        replicas,
+        desired,
+        num_registered,
+        active.num_workers if active else None,
+        pending.num_workers if pending else None,
+        drained,
+    )
     if isinstance(action, ScaleTo):
         state = applied(state, now, replicas, action.num_workers)
     if isinstance(action, PlaceOver):

@@ -43,8 +43,13 @@ from moemesh.operator.status import merge_owned, set_condition
 
 RESOURCE = (manifests.GROUP, manifests.VERSION, manifests.PLURAL)
 WORKLOAD_KIND = {"router": "Deployment", "prefill": "Deployment", "decode": "Deployment", "expert": "StatefulSet"}
-CHILD_RESOURCES = (("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"),
-                   ("", "v1", "configmaps"), ("policy", "v1", "poddisruptionbudgets"))  # fmt: skip
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("apps", "v1", "statefulsets"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
 MANAGED = {"app.kubernetes.io/managed-by": "moemesh-operator"}
 
 
@@ -164,8 +169,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             conditions = set_condition(
                 conditions, "Ready", False, exc.reason, "fix the spec; children were not changed"
             )
-            patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
-                                observedGeneration=meta.get("generation"))  # fmt: skip
+            patch.status.update(
+                conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
+                observedGeneration=meta.get("generation"),
+            )
             return
         try:
             num_children = await _apply_children(memo, mesh, name, namespace, uid, config)
@@ -175,8 +182,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         conditions = set_condition(conditions, "Applied", True, "Reconciled", f"{num_children} children applied")
         if not any(c.get("type") == "Ready" for c in conditions):  # the timer reports it from the children
             conditions = set_condition(conditions, "Ready", False, "Starting", "no pod of the mesh is ready yet")
-        patch.status.update(conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
-                            observedGeneration=meta.get("generation"))  # fmt: skip
+        patch.status.update(
+            conditions=_stamp(_record_owned(memo, conditions, RECONCILE_CONDITIONS), meta),
+            observedGeneration=meta.get("generation"),
+        )
 
     async def child_deleted(
         type: str, meta: kopf.Meta, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
@@ -310,9 +319,15 @@ TIMER_CONDITIONS = ("TelemetryAvailable", "PodsHealthy", "Ready")
 
 
 async def _scale_experts(
-    mesh: MeshSpec, name: str, namespace: str, memo: kopf.Memo, client: redis.Redis, workers: list, now: float,
+    mesh: MeshSpec,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    client: redis.Redis,
+    workers: list,
+    now: float,
     logger: kopf.Logger,
-) -> EplbLayout:  # fmt: skip
+) -> EplbLayout:
     """The expert-scaling step (spec.autoscaling.expert): resize the StatefulSet or have the EPLB
     step place replicas over a new worker count; returns the layout the EPLB step plans for."""
     policy = mesh.expert_autoscaling
@@ -320,28 +335,50 @@ async def _scale_experts(
     live = await memo.kube.get("StatefulSet", namespace, f"{name}-expert")
     replicas = int(((live or {}).get("spec") or {}).get("replicas", 0))
     outcome, memo.expert_autoscaler = await asyncio.to_thread(
-        expert_scale_step, client, manifests.mesh_id(namespace, name), name,
-        memo.get("expert_autoscaler", AutoscalerState()), now, replicas, workers, policy,
-        mesh.model.num_moe_layers, mesh.model.num_experts, time.time,
-    )  # fmt: skip
+        expert_scale_step,
+        client,
+        manifests.mesh_id(namespace, name),
+        name,
+        memo.get("expert_autoscaler", AutoscalerState()),
+        now,
+        replicas,
+        workers,
+        policy,
+        mesh.model.num_moe_layers,
+        mesh.model.num_experts,
+        time.time,
+    )
     memo.expert_scaling = outcome
     if isinstance(outcome.action, ScaleTo):
-        logger.info(f"expert workers {replicas} -> {outcome.action.num_workers} "
-                    f"({outcome.telemetry.tokens_per_second:.0f} routed tokens/s)")  # fmt: skip
-        await memo.kube.patch("StatefulSet", namespace, f"{name}-expert",
-                              {"spec": {"replicas": outcome.action.num_workers}})  # fmt: skip
+        logger.info(
+            f"expert workers {replicas} -> {outcome.action.num_workers} "
+            f"({outcome.telemetry.tokens_per_second:.0f} routed tokens/s)"
+        )
+        await memo.kube.patch(
+            "StatefulSet", namespace, f"{name}-expert", {"spec": {"replicas": outcome.action.num_workers}}
+        )
     elif isinstance(outcome.action, PlaceOver):
         logger.info(f"placing the expert replicas over {outcome.action.num_workers} workers")
-    return layout_for(outcome.placement_workers, mesh.model.num_experts, policy, mesh.model.num_expert_groups,
-                      mesh.eplb.num_nodes)  # fmt: skip
+    return layout_for(
+        outcome.placement_workers, mesh.model.num_experts, policy, mesh.model.num_expert_groups, mesh.eplb.num_nodes
+    )
 
 
 def _expert_scaling_status(outcome: ExpertScaleOutcome) -> dict[str, Any]:
     action = outcome.action
-    described = (f"scale to {action.num_workers}" if isinstance(action, ScaleTo)
-                 else f"place over {action.num_workers}" if isinstance(action, PlaceOver) else action.reason)  # fmt: skip
-    return {"desiredWorkers": outcome.desired, "placementWorkers": outcome.placement_workers,
-            "routedTokensPerSecond": round(outcome.telemetry.tokens_per_second, 1), "action": described}  # fmt: skip
+    described = (
+        f"scale to {action.num_workers}"
+        if isinstance(action, ScaleTo)
+        else f"place over {action.num_workers}"
+        if isinstance(action, PlaceOver)
+        else action.reason
+    )
+    return {
+        "desiredWorkers": outcome.desired,
+        "placementWorkers": outcome.placement_workers,
+        "routedTokensPerSecond": round(outcome.telemetry.tokens_per_second, 1),
+        "action": described,
+    }
 
 
 def _owner_mesh(meta: kopf.Meta) -> str | None:
@@ -378,8 +415,10 @@ async def _observed_replicas(kube: KubeApi, name: str, namespace: str) -> dict[s
     for role in manifests_roles():
         live = await kube.get(WORKLOAD_KIND[role], namespace, f"{name}-{role}")
         if live is not None:
-            observed[role] = (int((live.get("spec") or {}).get("replicas", 0)),
-                              int((live.get("status") or {}).get("readyReplicas") or 0))  # fmt: skip
+            observed[role] = (
+                int((live.get("spec") or {}).get("replicas", 0)),
+                int((live.get("status") or {}).get("readyReplicas") or 0),
+            )
     return observed
 
 

@@ -79,13 +79,19 @@ def kubeconfig_from(info: kopf.ConnectionInfo) -> KubeConfig:
         user["client-key"] = str(info.private_key_path)
     elif info.private_key_data:
         user["client-key-data"] = _b64(info.private_key_data)
-    return KubeConfig.from_dict({
-        "current-context": "kopf",
-        "clusters": [{"name": "kopf", "cluster": cluster}],
-        "users": [{"name": "kopf", "user": user}],
-        "contexts": [{"name": "kopf", "context": {"cluster": "kopf", "user": "kopf",
-                                                  "namespace": info.default_namespace or "default"}}],
-    })  # fmt: skip
+    return KubeConfig.from_dict(
+        {
+            "current-context": "kopf",
+            "clusters": [{"name": "kopf", "cluster": cluster}],
+            "users": [{"name": "kopf", "user": user}],
+            "contexts": [
+                {
+                    "name": "kopf",
+                    "context": {"cluster": "kopf", "user": "kopf", "namespace": info.default_namespace or "default"},
+                }
+            ],
+        }
+    )
 
 
 def _dict(obj: Any) -> Manifest:
@@ -96,8 +102,12 @@ def with_last_applied(manifest: Manifest) -> Manifest:
     """``manifest`` with its own JSON in the last-applied annotation (what the next apply diffs against)."""
     meta = dict(manifest["metadata"])
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != LAST_APPLIED}
-    bare = {**manifest, "metadata": {**meta, "annotations": annotations} if annotations else
-            {k: v for k, v in meta.items() if k != "annotations"}}  # fmt: skip
+    bare = {
+        **manifest,
+        "metadata": {**meta, "annotations": annotations}
+        if annotations
+        else {k: v for k, v in meta.items() if k != "annotations"},
+    }
     annotations[LAST_APPLIED] = json.dumps(bare, sort_keys=True, separators=(",", ":"))
     return {**manifest, "metadata": {**meta, "annotations": annotations}}
 
@@ -159,20 +169,25 @@ class KubeApi:
         meta = manifest["metadata"]
         resource = RESOURCES[manifest["kind"]]
         obj = resource.from_dict(manifest) if hasattr(resource, "from_dict") else resource(manifest)
-        created = await self._call(f"create {manifest['kind']} {meta['namespace']}/{meta['name']}",
-                                   cast(Any, self._api()).create(obj, namespace=meta["namespace"]))  # fmt: skip
+        created = await self._call(
+            f"create {manifest['kind']} {meta['namespace']}/{meta['name']}",
+            cast(Any, self._api()).create(obj, namespace=meta["namespace"]),
+        )
         return _dict(created)
 
-    async def patch(self, kind: str, namespace: str, name: str, patch: Manifest,
-                    subresource: str | None = None) -> Manifest | None:  # fmt: skip
+    async def patch(
+        self, kind: str, namespace: str, name: str, patch: Manifest, subresource: str | None = None
+    ) -> Manifest | None:
         """JSON merge patch (RFC 7386: ``None`` removes a key, lists are replaced)."""
         resource = RESOURCES[kind]
         if subresource == "status":
             resource = resource.Status
         elif subresource is not None:
             raise ValueError(f"unsupported subresource {subresource!r}")
-        obj = await self._call(f"patch {kind} {namespace}/{name}", self._api().patch(
-            resource, name, patch, namespace=namespace, patch_type=PatchType.MERGE))  # fmt: skip
+        obj = await self._call(
+            f"patch {kind} {namespace}/{name}",
+            self._api().patch(resource, name, patch, namespace=namespace, patch_type=PatchType.MERGE),
+        )
         return None if obj is None else _dict(obj)
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:

@@ -41,8 +41,12 @@ class ModelSource:
             return {"kind": "builtin", "name": self.get("name")}
         if self.kind == "pvc":
             path = self.get("path")
-            return {"kind": "pvc", "claimName": self.get("claimName"), "path": path,
-                    "localPath": posixpath.join(MODELS_DIR, path)}  # fmt: skip
+            return {
+                "kind": "pvc",
+                "claimName": self.get("claimName"),
+                "path": path,
+                "localPath": posixpath.join(MODELS_DIR, path),
+            }
         if self.kind == "hostPath":
             return {"kind": "hostPath", "path": self.get("path"), "localPath": posixpath.join(MODELS_DIR, "host")}
         return {
@@ -59,8 +63,12 @@ class ModelSource:
             return [{"name": "model", "hostPath": {"path": self.get("path")}}]
         if self.kind == "hf":
             claim = self.get("cacheClaimName")
-            return [{"name": "model-cache", **({"persistentVolumeClaim": {"claimName": claim}} if claim
-                                               else {"emptyDir": {}})}]  # fmt: skip
+            return [
+                {
+                    "name": "model-cache",
+                    **({"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}),
+                }
+            ]
         return []
 
     def mounts(self) -> list[dict[str, Any]]:
@@ -78,17 +86,29 @@ class ModelSource:
         env: list[dict[str, Any]] = []
         secret = self.get("tokenSecretRef")
         if secret:
-            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret["name"],
-                                                                           "key": secret.get("key", "token")}}})  # fmt: skip
+            env.append(
+                {
+                    "name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret.get("key", "token")}},
+                }
+            )
         if self.get("endpoint"):
             env.append({"name": "HF_ENDPOINT", "value": self.get("endpoint")})
-        return [{
-            "name": "fetch-model", "image": image, "imagePullPolicy": pull_policy,
-            "command": ["moemesh", "fetch-model", "--config", config_path], "env": env,
-            "securityContext": security,
-            "volumeMounts": [{"name": "config", "mountPath": posixpath.dirname(config_path), "readOnly": True},
-                             {"name": "model-cache", "mountPath": HF_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
-        }]  # fmt: skip
+        return [
+            {
+                "name": "fetch-model",
+                "image": image,
+                "imagePullPolicy": pull_policy,
+                "command": ["moemesh", "fetch-model", "--config", config_path],
+                "env": env,
+                "securityContext": security,
+                "volumeMounts": [
+                    {"name": "config", "mountPath": posixpath.dirname(config_path), "readOnly": True},
+                    {"name": "model-cache", "mountPath": HF_CACHE},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            }
+        ]
 
 
 def parse_source(source: Any) -> ModelSource:

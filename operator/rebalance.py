@@ -86,15 +86,22 @@ def rebalance_step(
 
     if not _compatible(newest, layout, num_layers, worker_ids):
         if newest is None:
-            return outcome(publish(plan_from_scratch(np.ones((num_layers, layout.num_experts)), layout).phy2log),
-                           False, reason="initial placement")  # fmt: skip
+            return outcome(
+                publish(plan_from_scratch(np.ones((num_layers, layout.num_experts)), layout).phy2log),
+                False,
+                reason="initial placement",
+            )
         # a new worker count (expert autoscaling) or spec: plan for the load seen so far
         load = read_expert_load(client, mesh, num_layers, layout.num_experts, clock=clock)
         counts = load.counts if load.counts.any() else np.ones((num_layers, layout.num_experts))
         plan = plan_from_scratch(counts, layout)
         version = publish(plan.phy2log)
-        return outcome(version, True, after=plan.imbalance if load.counts.any() else None,
-                       reason=f"expert layout changed: {layout.num_workers} workers, {layout.num_slots} slots")  # fmt: skip
+        return outcome(
+            version,
+            True,
+            after=plan.imbalance if load.counts.any() else None,
+            reason=f"expert layout changed: {layout.num_workers} workers, {layout.num_slots} slots",
+        )
     if pending is not None or not plan_due:
         return outcome(0, False, reason="waiting for workers" if pending is not None else "not due")
     load = read_expert_load(client, mesh, num_layers, layout.num_experts, clock=clock)

@@ -331,15 +331,18 @@ def _expert_scaling(section: dict[str, Any], mesh: MeshSpec, layout: EplbLayout 
     target = _float(section, "targetTokensPerSecond", 50000.0, path)
     try:
         policy = ExpertScalingPolicy(
-            min_workers=role.min_replicas, max_workers=role.max_replicas, slots_per_worker=layout.slots_per_worker,
-            target_tokens_per_second=target, worker_multiple=nodes,
+            min_workers=role.min_replicas,
+            max_workers=role.max_replicas,
+            slots_per_worker=layout.slots_per_worker,
+            target_tokens_per_second=target,
+            worker_multiple=nodes,
             scale_up_window_s=_float(section, "scaleUpWindowSeconds", 0.0, path),
             scale_down_window_s=_float(section, "scaleDownWindowSeconds", 300.0, path),
             max_step_up=_int(section, "maxStepUp", 2 * nodes, path, minimum=1),
             max_step_down=_int(section, "maxStepDown", nodes, path, minimum=1),
             scale_up_period_s=_float(section, "scaleUpPeriodSeconds", 60.0, path),
             scale_down_period_s=_float(section, "scaleDownPeriodSeconds", 120.0, path),
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise SpecError(f"{path} (with spec.expert minReplicas/maxReplicas): {exc}") from exc
     return policy
@@ -388,8 +391,13 @@ def _check_expert_memory(mesh: MeshSpec) -> None:
     if model.config is None or model.gpu_memory_bytes is None:
         return
     try:
-        plan = plan_mesh(model.config, None, model.gpu_memory_bytes, expert_pods=mesh.roles["expert"].replicas,
-                         redundant_experts=mesh.eplb.redundant_slots)  # fmt: skip
+        plan = plan_mesh(
+            model.config,
+            None,
+            model.gpu_memory_bytes,
+            expert_pods=mesh.roles["expert"].replicas,
+            redundant_experts=mesh.eplb.redundant_slots,
+        )
     except (ModelConfigError, MemoryPlanError) as exc:
         raise SpecError(f"spec.model.config: {exc}") from exc
     if plan.expert_pods_problem:

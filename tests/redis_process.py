@@ -52,8 +52,21 @@ class RedisServer:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> RedisServer:
         assert self.process is None, "redis-server is already running"
         self._dir = tempfile.mkdtemp(prefix="moemesh-test-redis-")
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]  # fmt: skip
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir,
+            "--protected-mode",
+            "no",
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_for_pong(timeout_s)
         return self

@@ -274,8 +274,9 @@ def free_port() -> int:
 
 
 def run_report(code: str, cwd) -> list[str]:
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=dict(os.environ), capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=dict(os.environ), capture_output=True, text=True, timeout=600
+    )
     reports = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     assert reports, f"no report (exit {result.returncode}): {result.stderr[-2000:]}"
     return json.loads(reports[-1][len("REPORT ") :])

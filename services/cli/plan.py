@@ -30,12 +30,20 @@ def add_plan_arguments(parser) -> None:
     parser.add_argument("--gpu-memory", required=True, help="GPU memory per pod: 141GiB, 80GB or bytes")
     parser.add_argument("--kv-tokens", type=int, default=None, help="KV tokens an attention pod must hold")
     parser.add_argument("--dtype", default="bfloat16", choices=KV_DTYPES, help="KV cache dtype (default bfloat16)")
-    parser.add_argument("--weight-dtype", default=None, choices=KV_DTYPES,
-                        help="size every weight at this dtype (dequantized); default: as stored")  # fmt: skip
+    parser.add_argument(
+        "--weight-dtype",
+        default=None,
+        choices=KV_DTYPES,
+        help="size every weight at this dtype (dequantized); default: as stored",
+    )
     parser.add_argument("--redundant-experts", type=int, default=0, help="extra replicas per MoE layer (EPLB)")
     parser.add_argument("--expert-pods", type=int, default=None, help="check that this many expert pods fit")
-    parser.add_argument("--reserve-fraction", type=float, default=DEFAULT_RESERVE_FRACTION,
-                        help="GPU memory kept for activations, CUDA context and buffers (default 0.1)")  # fmt: skip
+    parser.add_argument(
+        "--reserve-fraction",
+        type=float,
+        default=DEFAULT_RESERVE_FRACTION,
+        help="GPU memory kept for activations, CUDA context and buffers (default 0.1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run_plan)
 
@@ -45,10 +53,16 @@ def run_plan(args) -> int:
         gpu_memory = parse_size(args.gpu_memory)
         config, index = load_model_metadata(args.model)
         plan = plan_mesh(
-            config, index, gpu_memory, expert_pods=args.expert_pods, redundant_experts=args.redundant_experts,
-            kv_tokens=args.kv_tokens, kv_dtype=args.dtype, reserve_fraction=args.reserve_fraction,
+            config,
+            index,
+            gpu_memory,
+            expert_pods=args.expert_pods,
+            redundant_experts=args.redundant_experts,
+            kv_tokens=args.kv_tokens,
+            kv_dtype=args.dtype,
+            reserve_fraction=args.reserve_fraction,
             weight_dtype=args.weight_dtype,
-        )  # fmt: skip
+        )
     except (MemoryPlanError, ModelConfigError) as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
@@ -112,14 +126,18 @@ def format_plan(plan: MemoryPlan) -> str:
                 lines.append(f"  {label} ({s.num_slots} slots): no pod holds even one slot")
                 continue
             rebalance = s.min_workers_for_rebalance or "no count of"
-            lines.append(f"  {label} ({s.num_slots} slots): >= {s.min_workers} expert pods "
-                         f"({s.slots_per_worker} slots, {_gib(s.bytes_per_worker)} each); "
-                         f"{rebalance} to hold two placement versions during a rebalance")  # fmt: skip
+            lines.append(
+                f"  {label} ({s.num_slots} slots): >= {s.min_workers} expert pods "
+                f"({s.slots_per_worker} slots, {_gib(s.bytes_per_worker)} each); "
+                f"{rebalance} to hold two placement versions during a rebalance"
+            )
     if w.non_expert.bytes > plan.usable_bytes_per_pod:
         lines.append(f"attention pod: {_gib(w.non_expert.bytes)} of weights: does not fit")
     else:
-        lines.append(f"attention pod: {_gib(w.non_expert.bytes)} of weights; KV for "
-                     f"{plan.attention_pod_kv_tokens:,} tokens fits beside them")  # fmt: skip
+        lines.append(
+            f"attention pod: {_gib(w.non_expert.bytes)} of weights; KV for "
+            f"{plan.attention_pod_kv_tokens:,} tokens fits beside them"
+        )
     if plan.num_experts and w.total.bytes > plan.usable_bytes_per_pod:
         lines.append(f"one pod with every weight ({_gib(w.total.bytes)}): does not fit")
     elif plan.num_experts:

@@ -24,8 +24,9 @@ class PlacementTimeoutError(PlacementError):
     """The owning workers did not all load the placement in time (it stays pending)."""
 
 
-def even_placement(num_layers: int, num_experts: int, worker_ids: Sequence[str], version: int = 1,
-                   replicas: int = 1) -> Placement:  # fmt: skip
+def even_placement(
+    num_layers: int, num_experts: int, worker_ids: Sequence[str], version: int = 1, replicas: int = 1
+) -> Placement:
     """Slot s holds expert s mod num_experts in every layer; slots are the fewest that hold
     `replicas` copies of every expert and divide evenly over the workers (extra slots replicate
     experts 0, 1, ...); worker w owns a contiguous range. A worker's range is at most
@@ -39,8 +40,13 @@ def even_placement(num_layers: int, num_experts: int, worker_ids: Sequence[str],
         raise PlacementError(f"{replicas} replicas of each expert need as many expert workers, not {num_workers}")
     num_slots = -(-replicas * num_experts // num_workers) * num_workers
     phy2log = np.tile(np.arange(num_slots) % num_experts, (num_layers, 1))
-    return Placement(version=version, num_experts=num_experts, worker_ids=tuple(worker_ids),
-                     slot_owner=contiguous_slot_owner(num_slots, num_workers), phy2log=phy2log)  # fmt: skip
+    return Placement(
+        version=version,
+        num_experts=num_experts,
+        worker_ids=tuple(worker_ids),
+        slot_owner=contiguous_slot_owner(num_slots, num_workers),
+        phy2log=phy2log,
+    )
 
 
 def check_placement(placement: Placement, live_workers: Sequence[str], current: Placement | None) -> None:

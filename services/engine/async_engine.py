@@ -129,7 +129,7 @@ class AsyncEngine:
                     kv_transfer_params=kv_transfer_params,
                     detokenize=False,
                     resume_token_ids=resume_token_ids,
-                )  # fmt: skip
+                )
             )
             while not done:
                 event = await events.get()

@@ -50,6 +50,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return resolved
     if dtype == "bfloat16" and on_cpu and not has_native_bf16() and dtype not in _warned:
         _warned.add(dtype)
-        log.warning("dtype bfloat16 on a CPU without native bf16 (%s): PyTorch emulates it, expect it to be "
-                    "slower than float32 (dtype auto picks float32 here)", " / ".join(NATIVE_BF16_FLAGS))  # fmt: skip
+        log.warning(
+            "dtype bfloat16 on a CPU without native bf16 (%s): PyTorch emulates it, expect it to be "
+            "slower than float32 (dtype auto picks float32 here)",
+            " / ".join(NATIVE_BF16_FLAGS),
+        )
     return dtype

@@ -82,8 +82,14 @@ class LLMEngine:
         limits = PromptLimits(self.max_model_len, self.model.cfg.vocab_size, max_prefill_tokens)
         self.input_processor = InputProcessor(self.tokenizer, limits, self.budget, self.runner.structured_outputs)
         self.kv_caches = kv_caches(self.model, self.model_id, self.budget.block_size)
-        self.spec = SpecDecoder(config.spec, self.max_model_len, self._measure_cost_table(),
-                                config.model, self.model.cfg.vocab_size, self.model)  # fmt: skip
+        self.spec = SpecDecoder(
+            config.spec,
+            self.max_model_len,
+            self._measure_cost_table(),
+            config.model,
+            self.model.cfg.vocab_size,
+            self.model,
+        )
         self.runner.keep_hidden_states = self.spec.needs_hidden_states
         # execution overlap: one runner thread, at most two rounds in flight (one running, one queued)
         self._overlap: ThreadPoolExecutor | None = None
@@ -103,9 +109,11 @@ class LLMEngine:
         self.set_kv_connector(kv_connector if kv_connector is not None else NullConnector())
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB)",
-            self.model.cfg.architecture, self.budget.num_blocks, self.budget.block_size,
+            self.model.cfg.architecture,
+            self.budget.num_blocks,
+            self.budget.block_size,
             self.budget.num_blocks * self.budget.bytes_per_block / 2**20,
-        )  # fmt: skip
+        )
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -217,11 +225,13 @@ class LLMEngine:
 
     def _finish_round(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestDelta]:
         requests = self.scheduler.requests
-        num_before = {rid: len(requests[rid].output_token_ids)
-                      for rid in scheduler_output.num_scheduled_tokens if rid in requests}  # fmt: skip
+        num_before = {
+            rid: len(requests[rid].output_token_ids) for rid in scheduler_output.num_scheduled_tokens if rid in requests
+        }
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
-        self.spec.record(scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids,
-                         runner_output.hidden_states)  # fmt: skip
+        self.spec.record(
+            scheduler_output.scheduled_spec_token_ids, runner_output.sampled_token_ids, runner_output.hidden_states
+        )
         outputs = self._process_outputs(updated, runner_output.logprobs, num_before)
         self.kv_connector.save_kv(scheduler_output.kv_connector_metadata)  # first tokens and logprobs known
         return outputs + self._update_from_connector()

@@ -31,10 +31,14 @@ class ExpertSettings:
     )
 
     def __post_init__(self):
-        check(self.transport in EXPERT_TRANSPORTS,
-              f"expert transport must be one of {EXPERT_TRANSPORTS}, got {self.transport!r}")  # fmt: skip
-        check(self.dist_backend in EXPERT_DIST_BACKENDS,
-              f"dist backend must be one of {EXPERT_DIST_BACKENDS}, got {self.dist_backend!r}")  # fmt: skip
+        check(
+            self.transport in EXPERT_TRANSPORTS,
+            f"expert transport must be one of {EXPERT_TRANSPORTS}, got {self.transport!r}",
+        )
+        check(
+            self.dist_backend in EXPERT_DIST_BACKENDS,
+            f"dist backend must be one of {EXPERT_DIST_BACKENDS}, got {self.dist_backend!r}",
+        )
         for name in ("call_timeout_s", "retry_down_s", "placement_poll_s", "load_window_s"):
             check(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         check(self.release_grace_s >= 0, f"release_grace_s must be >= 0, got {self.release_grace_s}")

@@ -130,8 +130,11 @@ class LocalCluster:
 
     def _worker_services(self) -> list[Service]:
         spec = self.spec
-        roles = [("both", "worker", spec.num_decode)] if spec.aggregated else [
-            ("prefill", "prefill", spec.num_prefill), ("decode", "decode", spec.num_decode)]  # fmt: skip
+        roles = (
+            [("both", "worker", spec.num_decode)]
+            if spec.aggregated
+            else [("prefill", "prefill", spec.num_prefill), ("decode", "decode", spec.num_decode)]
+        )
         threads = self._threads_per_worker()
         services = []
         for role, prefix, count in roles:
@@ -152,9 +155,24 @@ class LocalCluster:
         role_args = spec.expert_args if role == "expert" else (*spec.worker_args, *remote)
         if role == "prefill":
             role_args = (*role_args, *spec.prefill_args)
-        args = ["--role", role, "--worker-id", name, "--host", spec.host, "--advertise-host", spec.host,
-                "--grpc-port", str(port), "--metrics-port", str(free_port(spec.host)),
-                "--num-threads", str(num_threads), *self._common_args(name), *role_args]  # fmt: skip
+        args = [
+            "--role",
+            role,
+            "--worker-id",
+            name,
+            "--host",
+            spec.host,
+            "--advertise-host",
+            spec.host,
+            "--grpc-port",
+            str(port),
+            "--metrics-port",
+            str(free_port(spec.host)),
+            "--num-threads",
+            str(num_threads),
+            *self._common_args(name),
+            *role_args,
+        ]
         return Service(name, role, args, grpc_endpoint=f"{spec.host}:{port}")
 
     # -- expert workers --------------------------------------------------------------------
@@ -186,8 +204,11 @@ class LocalCluster:
                     raise TimeoutError(f"expert workers did not register within {spec.start_timeout_s} s")
                 time.sleep(0.05)
             current = PlacementStore(client, spec.mesh).current()
-            if current is None or current.worker_ids != tuple(ids) or (current.num_layers, current.num_experts) != (
-                    num_layers, num_experts):  # fmt: skip
+            if (
+                current is None
+                or current.worker_ids != tuple(ids)
+                or (current.num_layers, current.num_experts) != (num_layers, num_experts)
+            ):
                 wanted = even_placement(num_layers, num_experts, ids, replicas=spec.expert_replicas)
                 current = apply_placement(client, spec.mesh, wanted, timeout_s=spec.start_timeout_s)
             self.placement = current
@@ -224,15 +245,39 @@ class LocalCluster:
             self.wait_http(service)
         return service
 
-    def _router_service(self, workers: list[Service], name: str = "router", policy: str | None = None,
-                        extra_args: tuple[str, ...] = (), http_port: int | None = None,
-                        grpc_port: int | None = None) -> Service:  # fmt: skip
+    def _router_service(
+        self,
+        workers: list[Service],
+        name: str = "router",
+        policy: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+    ) -> Service:
         spec = self.spec
         http_port = (spec.http_port if http_port is None else http_port) or free_port(spec.host)
         grpc_port = (spec.router_grpc_port if grpc_port is None else grpc_port) or free_port(spec.host)
-        args = ["--role", "router", "--worker-id", name, "--advertise-host", spec.host,
-                "--host", spec.host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                "--metrics-port", str(free_port(spec.host)), "--policy", policy or spec.policy, *self._common_args(name), *spec.router_args, *extra_args]  # fmt: skip
+        args = [
+            "--role",
+            "router",
+            "--worker-id",
+            name,
+            "--advertise-host",
+            spec.host,
+            "--host",
+            spec.host,
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            "--metrics-port",
+            str(free_port(spec.host)),
+            "--policy",
+            policy or spec.policy,
+            *self._common_args(name),
+            *spec.router_args,
+            *extra_args,
+        ]
         if spec.aggregated:
             args.append("--aggregated")
         for worker in workers:  # static endpoints: the router can route before / without Redis
@@ -240,13 +285,22 @@ class LocalCluster:
                 continue
             flag = "--prefill-endpoint" if worker.role == "prefill" else "--decode-endpoint"
             args += [flag, worker.grpc_endpoint]
-        return Service(name, "router", args, grpc_endpoint=f"{spec.host}:{grpc_port}",
-                       http_url=f"http://{spec.host}:{http_port}")  # fmt: skip
+        return Service(
+            name, "router", args, grpc_endpoint=f"{spec.host}:{grpc_port}", http_url=f"http://{spec.host}:{http_port}"
+        )
 
     def _common_args(self, name: str) -> list[str]:
         spec = self.spec
-        args = ["--redis-url", self.redis_url, "--mesh", spec.mesh, "--heartbeat-ttl", str(spec.heartbeat_ttl_s),
-                "--parent-pid", str(os.getpid())]  # fmt: skip
+        args = [
+            "--redis-url",
+            self.redis_url,
+            "--mesh",
+            spec.mesh,
+            "--heartbeat-ttl",
+            str(spec.heartbeat_ttl_s),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if spec.model:
             args += ["--model", spec.model]
         if spec.trace_dir:
@@ -293,8 +347,10 @@ class LocalCluster:
             if service.restart_at is None:
                 service.backoff_s = min(max(service.backoff_s * 2, spec.restart_backoff_s), spec.max_restart_backoff_s)
                 service.restart_at = now + service.backoff_s
-                events.append(f"{service.name} exited with status {service.process.returncode}; restarting in "
-                              f"{service.backoff_s:g} s")  # fmt: skip
+                events.append(
+                    f"{service.name} exited with status {service.process.returncode}; restarting in "
+                    f"{service.backoff_s:g} s"
+                )
             elif now >= service.restart_at:
                 service.restart_at = None
                 service.restarts += 1

@@ -38,8 +38,21 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         os.makedirs(self._dir, exist_ok=True)  # again after a stop(): tests restart Redis
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"]  # fmt: skip
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir,
+            "--protected-mode",
+            "no",
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -77,8 +77,11 @@ def print_endpoints(cluster: LocalCluster) -> None:
         metrics = service.metrics_port
         where = service.http_url or service.grpc_endpoint
         host = where.split("//")[-1].rsplit(":", 1)[0]
-        print(f"  {service.name:<12} {service.role:<8} {where}" + (f"  metrics http://{host}:{metrics}/metrics"
-                                                                      if metrics else ""), flush=True)  # fmt: skip
+        print(
+            f"  {service.name:<12} {service.role:<8} {where}"
+            + (f"  metrics http://{host}:{metrics}/metrics" if metrics else ""),
+            flush=True,
+        )
 
 
 def run_up(args) -> int:
@@ -88,24 +91,42 @@ def run_up(args) -> int:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
     spec = ClusterSpec(
-        num_prefill=args.prefill, num_decode=args.decode, aggregated=args.aggregated, policy=args.policy,
-        host=args.host, http_port=args.port, router_grpc_port=args.grpc_port, redis_url=args.redis_url,
-        model=args.model, num_threads=args.num_threads, worker_args=flags.worker, router_args=flags.router,
-        log_dir=args.log_dir, otlp_endpoint=args.otlp_endpoint,
-        num_experts=args.experts, expert_replicas=args.expert_replicas, expert_transport=args.expert_transport,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        aggregated=args.aggregated,
+        policy=args.policy,
+        host=args.host,
+        http_port=args.port,
+        router_grpc_port=args.grpc_port,
+        redis_url=args.redis_url,
+        model=args.model,
+        num_threads=args.num_threads,
+        worker_args=flags.worker,
+        router_args=flags.router,
+        log_dir=args.log_dir,
+        otlp_endpoint=args.otlp_endpoint,
+        num_experts=args.experts,
+        expert_replicas=args.expert_replicas,
+        expert_transport=args.expert_transport,
         expert_args=flags.expert,
-    )  # fmt: skip
+    )
     if args.prefill < 0 or args.decode < 1 or args.experts < 0:
         print("moemesh: error: need --decode >= 1, --prefill >= 0 and --experts >= 0", file=sys.stderr)
         return 2
     if not 1 <= args.expert_replicas <= max(args.experts, 1):
-        print(f"moemesh: error: --expert-replicas {args.expert_replicas} needs 1 <= replicas <= --experts "
-              f"({args.experts})", file=sys.stderr)  # fmt: skip
+        print(
+            f"moemesh: error: --expert-replicas {args.expert_replicas} needs 1 <= replicas <= --experts "
+            f"({args.experts})",
+            file=sys.stderr,
+        )
         return 2
     busy = [port for port in (args.port, args.grpc_port) if port and port_in_use(args.host, port)]
     if busy:  # before anything loads (another cluster may answer on it)
-        print(f"moemesh: error: port {busy[0]} on {args.host} is in use (another moemesh up?); choose another "
-              f"with --port / --grpc-port", file=sys.stderr)  # fmt: skip
+        print(
+            f"moemesh: error: port {busy[0]} on {args.host} is in use (another moemesh up?); choose another "
+            f"with --port / --grpc-port",
+            file=sys.stderr,
+        )
         return 2
     cluster = LocalCluster(spec)
     stopping = []
@@ -113,8 +134,10 @@ def run_up(args) -> int:
     try:
         cluster.start()
         router = cluster.services["router"]
-        print(f"moemesh is up: OpenAI API at {cluster.url}/v1 (gRPC Generate at {router.grpc_endpoint}); "
-              "Ctrl-C stops it", flush=True)  # fmt: skip
+        print(
+            f"moemesh is up: OpenAI API at {cluster.url}/v1 (gRPC Generate at {router.grpc_endpoint}); Ctrl-C stops it",
+            flush=True,
+        )
         print_endpoints(cluster)
         while not stopping:
             for event in cluster.supervise():  # a crashed process comes back, as a kubelet would do

@@ -29,11 +29,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TENSOR_CLASSES = (
-    "embedding", "attention", "dense_mlp", "shared_experts", "router", "norm", "routed_experts", "other",
-)  # fmt: skip
+    "embedding",
+    "attention",
+    "dense_mlp",
+    "shared_experts",
+    "router",
+    "norm",
+    "routed_experts",
+    "other",
+)
 SUPPORTED_ARCHITECTURES = (
-    "DeepseekV3ForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-)  # fmt: skip
+    "DeepseekV3ForCausalLM",
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
@@ -162,9 +172,14 @@ class _Builder:
         if not self.c.get("tie_word_embeddings", False):
             self.add("lm_head.weight", (self.vocab, h), "embedding", False)
         return CheckpointLayout(
-            self.arch, tuple(self.tensors), tuple(self.fused), self.num_layers,
-            tuple(i for i in range(self.num_layers) if self.is_moe_layer(i)), self.num_experts, self.num_mtp,
-        )  # fmt: skip
+            self.arch,
+            tuple(self.tensors),
+            tuple(self.fused),
+            self.num_layers,
+            tuple(i for i in range(self.num_layers) if self.is_moe_layer(i)),
+            self.num_experts,
+            self.num_mtp,
+        )
 
     def layer(self, i: int, mtp: bool) -> None:
         p, h = f"model.layers.{i}", self.hidden

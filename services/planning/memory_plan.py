@@ -44,10 +44,25 @@ KV_DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_RESERVE_FRACTION = 0.1
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -100,8 +115,10 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE.match(str(text))
         if m is None or m.group(2).lower() not in _UNITS:
-            raise MemoryPlanError(f"cannot read size {text!r}: use bytes or a number with B, KB, MB, GB, TB, "
-                                  "KiB, MiB, GiB or TiB (e.g. 141GiB, 80GB)")  # fmt: skip
+            raise MemoryPlanError(
+                f"cannot read size {text!r}: use bytes or a number with B, KB, MB, GB, TB, "
+                "KiB, MiB, GiB or TiB (e.g. 141GiB, 80GB)"
+            )
         try:
             value, unit = Decimal(m.group(1)), _UNITS[m.group(2).lower()]
         except InvalidOperation as e:
@@ -181,8 +198,12 @@ def plan_mesh(
     """Raises ModelConfigError (config.json) or MemoryPlanError (the other arguments, the index)."""
     if not 0 <= reserve_fraction < 1:
         raise MemoryPlanError(f"reserve fraction must be in [0, 1), got {reserve_fraction}")
-    for name, value in (("redundant experts", redundant_experts), ("KV tokens", kv_tokens),
-                        ("expert pods", expert_pods), ("GPU memory", gpu_memory_bytes)):  # fmt: skip
+    for name, value in (
+        ("redundant experts", redundant_experts),
+        ("KV tokens", kv_tokens),
+        ("expert pods", expert_pods),
+        ("GPU memory", gpu_memory_bytes),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise MemoryPlanError(f"{name} must be a non-negative integer, got {value!r}")
     layout = checkpoint_tensors(config)
@@ -196,11 +217,14 @@ def plan_mesh(
         notes += _index_notes(check, forced=fmt.forced)
     num_mtp_layers = layout.num_mtp_layers if check is None or check.mtp_stored else 0
     if num_mtp_layers:
-        notes.append(f"{num_mtp_layers} multi-token-prediction layer(s) stored in the checkpoint "
-                     "are not loaded by the engine and left out of the plan")  # fmt: skip
+        notes.append(
+            f"{num_mtp_layers} multi-token-prediction layer(s) stored in the checkpoint "
+            "are not loaded by the engine and left out of the plan"
+        )
     elif layout.num_mtp_layers:
-        notes.append(f"config.json names {layout.num_mtp_layers} multi-token-prediction layer(s); the index "
-                     "stores none")  # fmt: skip
+        notes.append(
+            f"config.json names {layout.num_mtp_layers} multi-token-prediction layer(s); the index stores none"
+        )
     if layout.num_experts == 0 and redundant_experts:
         raise MemoryPlanError(f"{layout.architecture} here has no routed experts; redundant experts must be 0")
     kv_kind, kv_per_token = kv_cache_bytes_per_token(config, kv_dtype)
@@ -253,20 +277,28 @@ def check_expert_pods(plan: MemoryPlan, expert_pods: int) -> str | None:
         if plan.weights.total.bytes <= plan.usable_bytes_per_pod:
             return None
         need = f"at least {sizing.min_workers} expert pods" if sizing.min_workers else "larger GPUs"
-        return (f"with no expert pods a worker holds every weight ({plan.weights.total.bytes / 2**30:.1f} GiB), more "
-                f"than the {gib:.1f} GiB usable per pod: {need} are needed")  # fmt: skip
+        return (
+            f"with no expert pods a worker holds every weight ({plan.weights.total.bytes / 2**30:.1f} GiB), more "
+            f"than the {gib:.1f} GiB usable per pod: {need} are needed"
+        )
     if sizing.min_workers is None or sizing.bytes_per_worker is None:
-        return (f"one expert slot ({plan.slot_bytes / 2**30:.2f} GiB: an expert in each of {plan.num_moe_layers} MoE "
-                f"layers) is more than the {gib:.1f} GiB usable per pod: no expert pod count fits; use larger GPUs")  # fmt: skip
-    need = (f"at least {sizing.min_workers} expert pods are needed ({sizing.slots_per_worker} slots, "
-            f"{sizing.bytes_per_worker / 2**30:.1f} GiB each)")  # fmt: skip
+        return (
+            f"one expert slot ({plan.slot_bytes / 2**30:.2f} GiB: an expert in each of {plan.num_moe_layers} MoE "
+            f"layers) is more than the {gib:.1f} GiB usable per pod: no expert pod count fits; use larger GPUs"
+        )
+    need = (
+        f"at least {sizing.min_workers} expert pods are needed ({sizing.slots_per_worker} slots, "
+        f"{sizing.bytes_per_worker / 2**30:.1f} GiB each)"
+    )
     slots = f"{sizing.num_slots} slots ({plan.num_experts} experts + {plan.redundant_experts} redundant)"
     if sizing.num_slots % expert_pods:
         return f"{slots} do not divide evenly over {expert_pods} expert pods; {need}"
     per_pod = sizing.num_slots // expert_pods * plan.slot_bytes
     if per_pod > plan.usable_bytes_per_pod:
-        return (f"{expert_pods} expert pods would hold {sizing.num_slots // expert_pods} slots = "
-                f"{per_pod / 2**30:.1f} GiB each, more than the {gib:.1f} GiB usable per pod; {need}")  # fmt: skip
+        return (
+            f"{expert_pods} expert pods would hold {sizing.num_slots // expert_pods} slots = "
+            f"{per_pod / 2**30:.1f} GiB each, more than the {gib:.1f} GiB usable per pod; {need}"
+        )
     return None
 
 
@@ -283,8 +315,10 @@ def _index_fields(index: dict) -> tuple[dict[str, str], int | None]:
 def _index_notes(check: IndexCheck, forced: bool) -> list[str]:
     notes = []
     if check.num_unknown:
-        notes.append(f"the index names {check.num_unknown} tensor(s) config.json does not explain (not counted), "
-                     f"e.g. {list(check.unknown_names)}")  # fmt: skip
+        notes.append(
+            f"the index names {check.num_unknown} tensor(s) config.json does not explain (not counted), "
+            f"e.g. {list(check.unknown_names)}"
+        )
     if check.num_missing:
         notes.append(f"the index lacks {check.num_missing} tensor(s) config.json implies")
     if not forced and check.unaccounted_bytes:

@@ -126,8 +126,10 @@ def weight_format(config: dict, weight_dtype: str | None = None) -> WeightFormat
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     block = quant.get("weight_block_size") if isinstance(quant, dict) else None
     if method != "fp8":
-        raise ModelConfigError(f"quantization {method!r} is not supported (only block-quantized fp8); "
-                               "give a weight dtype to size the dequantized weights")  # fmt: skip
+        raise ModelConfigError(
+            f"quantization {method!r} is not supported (only block-quantized fp8); "
+            "give a weight dtype to size the dequantized weights"
+        )
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelConfigError(f"fp8 quantization_config.weight_block_size must be [rows, cols], got {block!r}")
     return WeightFormat(dtype, (block[0], block[1]))

@@ -38,8 +38,13 @@ from moemesh.text.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
+_RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 
 
 class RouterError(Exception):
@@ -120,9 +125,18 @@ class Delta:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, channels: ChannelPool, tokenizer, extra: HashExtra, metrics: RouterMetrics,
-                 max_attempts: int = 3, first_token_timeout_s: float = 120.0, max_migrations: int = 3,
-                 first_token_timeout_per_token_s: float = 0.05):  # fmt: skip
+    def __init__(
+        self,
+        pool: WorkerPool,
+        channels: ChannelPool,
+        tokenizer,
+        extra: HashExtra,
+        metrics: RouterMetrics,
+        max_attempts: int = 3,
+        first_token_timeout_s: float = 120.0,
+        max_migrations: int = 3,
+        first_token_timeout_per_token_s: float = 0.05,
+    ):
         self.pool = pool
         self.channels = channels
         self.tokenizer = tokenizer
@@ -173,30 +187,49 @@ class Dispatcher:
                     if not stream.sent:  # failed before any token: retry elsewhere
                         attempts += 1
                         if attempts >= self.max_attempts:
-                            raise Unavailable(f"no decode worker could serve the request after {attempts} "
-                                              f"attempts ({lost})") from None  # fmt: skip
-                        logger.info("request %s: retrying after decode worker %s failed (attempt %d)",
-                                    request.request_id, route.decode.worker_id, attempts)  # fmt: skip
+                            raise Unavailable(
+                                f"no decode worker could serve the request after {attempts} attempts ({lost})"
+                            ) from None
+                        logger.info(
+                            "request %s: retrying after decode worker %s failed (attempt %d)",
+                            request.request_id,
+                            route.decode.worker_id,
+                            attempts,
+                        )
                         continue
                     if migrations >= self.max_migrations:
-                        raise WorkerFailedError(f"{lost} after {len(stream.sent)} tokens; {migrations} migrations "
-                                                f"already (the most allowed)") from None  # fmt: skip
+                        raise WorkerFailedError(
+                            f"{lost} after {len(stream.sent)} tokens; {migrations} migrations "
+                            f"already (the most allowed)"
+                        ) from None
                     migrations += 1
                     self.metrics.migrations.inc()
-                    span.add_event("migrated", {"moemesh.from_worker": route.decode.worker_id,
-                                                "moemesh.num_sent_tokens": len(stream.sent),
-                                                "moemesh.reason": str(lost)})  # fmt: skip
-                    logger.warning("request %s: %s after %d tokens (%d on it); migrating (%d of at most %d)",
-                                   request.request_id, lost, len(stream.sent), len(stream.sent) - sent_before,
-                                   migrations, self.max_migrations)  # fmt: skip
+                    span.add_event(
+                        "migrated",
+                        {
+                            "moemesh.from_worker": route.decode.worker_id,
+                            "moemesh.num_sent_tokens": len(stream.sent),
+                            "moemesh.reason": str(lost),
+                        },
+                    )
+                    logger.warning(
+                        "request %s: %s after %d tokens (%d on it); migrating (%d of at most %d)",
+                        request.request_id,
+                        lost,
+                        len(stream.sent),
+                        len(stream.sent) - sent_before,
+                        migrations,
+                        self.max_migrations,
+                    )
         except RouterError as e:
             span.set_attribute("moemesh.error", str(e))
             raise
         finally:
             span.end()
 
-    async def _call(self, request: GenerateInput, route: Route, chain, cached, ctx,
-                    stream: _Stream) -> AsyncGenerator[Delta, None]:  # fmt: skip
+    async def _call(
+        self, request: GenerateInput, route: Route, chain, cached, ctx, stream: _Stream
+    ) -> AsyncGenerator[Delta, None]:
         """Deltas of one attempt; raises _WorkerLost when the worker fails in a way another worker
         can make up for (before the first token: a retry; after: a migration)."""
         worker = route.decode

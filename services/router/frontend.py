@@ -43,8 +43,17 @@ class ChoiceDelta:
 
 
 class Frontend:
-    def __init__(self, dispatcher: Dispatcher, tokenizer, model_name: str, max_model_len: int, vocab_size: int,
-                 metrics: RouterMetrics, max_in_flight: int, tool_call_parser: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        metrics: RouterMetrics,
+        max_in_flight: int,
+        tool_call_parser: str = "auto",
+    ):
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -60,8 +69,9 @@ class Frontend:
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                                param="model")  # fmt: skip
+            raise ModelNotFound(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}", param="model"
+            )
 
     async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -74,8 +84,9 @@ class Frontend:
         self.check_prompt(token_ids)
         return token_ids
 
-    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:  # fmt: skip
+    async def tokenize_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         self._check_text_length("".join(str(m.get("content") or "") for m in messages), "messages")
         token_ids = await asyncio.to_thread(self._tokenize_chat, messages, add_generation_prompt, tools)
         self.check_prompt(token_ids, param="messages")
@@ -88,8 +99,9 @@ class Frontend:
 
     def _tokenize_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools)  # fmt: skip
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         except InvalidRequestError as e:
             raise InvalidRequest(str(e), param=e.param or "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -98,8 +110,11 @@ class Frontend:
         """Every token covers at most `_max_token_chars` characters, so a longer text than this
         holds more tokens than the context: refused without tokenizing it."""
         if self._max_token_chars and len(text) > self.max_model_len * self._max_token_chars:
-            raise InvalidRequest(f"{param} has {len(text)} characters, more than {self.max_model_len} tokens of "
-                                 f"this model's context can hold", param=param)  # fmt: skip
+            raise InvalidRequest(
+                f"{param} has {len(text)} characters, more than {self.max_model_len} tokens of "
+                f"this model's context can hold",
+                param=param,
+            )
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         """The tokens to generate: `requested`, or the rest of the context when None (a request
@@ -189,8 +204,13 @@ class Frontend:
             self.metrics.outcome(outcome)
 
 
-_OUTCOMES = {InvalidRequest: "invalid", Overloaded: "overloaded", Unavailable: "unavailable",
-             WorkerFailedError: "failed", FirstTokenTimeout: "timeout"}  # fmt: skip
+_OUTCOMES = {
+    InvalidRequest: "invalid",
+    Overloaded: "overloaded",
+    Unavailable: "unavailable",
+    WorkerFailedError: "failed",
+    FirstTokenTimeout: "timeout",
+}
 
 
 def _max_token_chars(tokenizer) -> int | None:

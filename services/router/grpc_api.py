@@ -22,8 +22,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self.api_keys.allows(dict(context.invocation_metadata() or ()).get("authorization")):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key "
-                                "(send metadata 'authorization: Bearer <key>')")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "invalid or missing API key (send metadata 'authorization: Bearer <key>')",
+            )
         try:
             inputs = [(0, await self._input(request))]
             first = True
@@ -31,15 +33,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 async for d in deltas:
                     delta = d.delta
                     response = generate_pb2.GenerateResponse(
-                        token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs,
+                        token_ids=delta.token_ids,
+                        text=delta.text,
+                        logprobs=delta.logprobs,
                         worker_id=delta.worker_id if first else "",
-                    )  # fmt: skip
+                    )
                     first = False
                     if delta.finish_reason is not None:
                         response.finish_reason = finish_reason_to_proto(delta.finish_reason)
-                        response.usage.CopyFrom(generate_pb2.Usage(
-                            prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
-                            cached_tokens=delta.num_cached_tokens))  # fmt: skip
+                        response.usage.CopyFrom(
+                            generate_pb2.Usage(
+                                prompt_tokens=delta.num_prompt_tokens,
+                                completion_tokens=delta.num_output_tokens,
+                                cached_tokens=delta.num_cached_tokens,
+                            )
+                        )
                     yield response
         except RouterError as e:
             if e.param:

@@ -136,9 +136,15 @@ def build_app(frontend: Frontend, num_decode_workers, guard: GuardSettings = Gua
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": openai_finish_reason(finish)}
 
         if body.stream:
-            return await _sse(request, frontend, inputs, body.include_usage, meta, "text_completion",
-                        lambda d, offset: [choice(d.index, d.delta.text, d.delta.logprobs, offset,
-                                                  d.delta.finish_reason)])  # fmt: skip
+            return await _sse(
+                request,
+                frontend,
+                inputs,
+                body.include_usage,
+                meta,
+                "text_completion",
+                lambda d, offset: [choice(d.index, d.delta.text, d.delta.logprobs, offset, d.delta.finish_reason)],
+            )
         results = await _collect(request, frontend, inputs)
         choices = [choice(i, r["text"], r["logprobs"], 0, r["finish_reason"]) for i, r in enumerate(results)]
         return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(results)}

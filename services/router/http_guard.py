@@ -45,9 +45,14 @@ class HttpGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if scope["path"] not in self.open_paths and not self.api_keys.allows(_header(scope, b"authorization")):
-            return await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                     "invalid_request_error", "invalid_api_key",
-                                     {"www-authenticate": "Bearer"})  # fmt: skip
+            return await _send_error(
+                send,
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "invalid_request_error",
+                "invalid_api_key",
+                {"www-authenticate": "Bearer"},
+            )
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_error(send, 413, self._too_large(int(length)), "invalid_request_error", None)
@@ -55,8 +60,9 @@ class HttpGuard:
         if scope.get("method") in ("POST", "PUT", "PATCH"):  # read here, within the limit, then replayed
             body = await self._read_body(receive)
             if body is None:
-                return await _send_error(send, 413, self._too_large(self.max_body_bytes + 1), "invalid_request_error",
-                                         None)  # fmt: skip
+                return await _send_error(
+                    send, 413, self._too_large(self.max_body_bytes + 1), "invalid_request_error", None
+                )
         replayed = False
 
         async def replay():
@@ -108,8 +114,9 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-async def _send_error(send, status: int, message: str, error_type: str, code: str | None,
-                      headers: dict[str, str] | None = None) -> None:  # fmt: skip
+async def _send_error(
+    send, status: int, message: str, error_type: str, code: str | None, headers: dict[str, str] | None = None
+) -> None:
     body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}}).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]

@@ -44,23 +44,38 @@ def build_frontend(settings: RouterSettings, client: redis.Redis, channels: Chan
     metrics = RouterMetrics(name)
     routing = settings.routing
     pool = WorkerPool(
-        client, settings.mesh.mesh, make_policy(routing),
-        make_policy(RoutingSettings("kv_aware" if routing.policy == "kv_aware" else "least_loaded",
-                                    routing.prefill_weight, 0.0)),
-        settings.block_size, routing.disaggregated, settings.decode_endpoints, settings.prefill_endpoints,
-        settings.refresh_interval_s, missing_grace_s=settings.mesh.heartbeat_ttl_s, self_id=settings.router_id,
-    )  # fmt: skip
+        client,
+        settings.mesh.mesh,
+        make_policy(routing),
+        make_policy(
+            RoutingSettings("kv_aware" if routing.policy == "kv_aware" else "least_loaded", routing.prefill_weight, 0.0)
+        ),
+        settings.block_size,
+        routing.disaggregated,
+        settings.decode_endpoints,
+        settings.prefill_endpoints,
+        settings.refresh_interval_s,
+        missing_grace_s=settings.mesh.heartbeat_ttl_s,
+        self_id=settings.router_id,
+    )
     extra = HashExtra(model_id=checkpoint.model_id, cache_salt=settings.cache_salt)
     tokenizer = checkpoint.tokenizer or TokenIdsOnlyTokenizer()  # no tokenizer.json: token-id prompts only
-    dispatcher = Dispatcher(pool, channels, tokenizer, extra, metrics,
-                            first_token_timeout_s=settings.first_token_timeout_s,
-                            max_migrations=settings.max_migrations)  # fmt: skip
+    dispatcher = Dispatcher(
+        pool,
+        channels,
+        tokenizer,
+        extra,
+        metrics,
+        first_token_timeout_s=settings.first_token_timeout_s,
+        max_migrations=settings.max_migrations,
+    )
     # the model's vocabulary (a checkpoint without a tokenizer still has its config's)
     vocab = int(
         checkpoint.hf_config.get("vocab_size") or (checkpoint.tokenizer.vocab_size if checkpoint.tokenizer else 0)
     )
-    frontend = Frontend(dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight,
-                        settings.tool_call_parser)  # fmt: skip
+    frontend = Frontend(
+        dispatcher, tokenizer, name, max_len, vocab, metrics, settings.max_in_flight, settings.tool_call_parser
+    )
     return frontend, pool
 
 
@@ -73,9 +88,14 @@ HTTP_KEEP_ALIVE_S = 75
 
 
 def http_server_config(app, settings: RouterSettings) -> uvicorn.Config:
-    return uvicorn.Config(app, host=settings.host, port=settings.http_port, log_level="warning",
-                          timeout_keep_alive=HTTP_KEEP_ALIVE_S,
-                          timeout_graceful_shutdown=max(1, round(settings.mesh.drain_s)))  # fmt: skip
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.http_port,
+        log_level="warning",
+        timeout_keep_alive=HTTP_KEEP_ALIVE_S,
+        timeout_graceful_shutdown=max(1, round(settings.mesh.drain_s)),
+    )
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -97,14 +117,20 @@ async def serve(settings: RouterSettings) -> None:
         logger.info("gRPC Generate API on %s:%d", settings.host, port)
     app = build_app(frontend, lambda: len(pool.live(DECODE_ROLES)), settings.guard)
     config = http_server_config(app, settings)
-    logger.info("OpenAI API for %r on http://%s:%d/v1 (policy %s, %s)", frontend.model_name, settings.host,
-                settings.http_port, settings.routing.policy,
-                "disaggregated" if settings.routing.disaggregated else "aggregated")  # fmt: skip
+    logger.info(
+        "OpenAI API for %r on http://%s:%d/v1 (policy %s, %s)",
+        frontend.model_name,
+        settings.host,
+        settings.http_port,
+        settings.routing.policy,
+        "disaggregated" if settings.routing.disaggregated else "aggregated",
+    )
     heartbeats = asyncio.create_task(_heartbeats(settings, client, frontend))
     metrics_server = None
     if settings.metrics_port is not None:  # the pod's declared `metrics` port (also /metrics on HTTP)
-        metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host,
-                                              registry=frontend.metrics.registry)  # fmt: skip
+        metrics_server, _ = start_http_server(
+            settings.metrics_port, addr=settings.host, registry=frontend.metrics.registry
+        )
     server = uvicorn.Server(config)
     orphaned = asyncio.Event()
     watchdog = asyncio.create_task(watch_parent(settings.mesh.parent_pid, orphaned))
@@ -134,9 +160,12 @@ async def _heartbeats(settings: RouterSettings, client: redis.Redis, frontend: F
     port = settings.grpc_port or settings.http_port
     while True:
         record = registry.WorkerRecord(
-            worker_id=settings.router_id, role="router", endpoint=f"{settings.advertise_host}:{port}",
-            model=frontend.model_name, num_running=frontend.in_flight,
-        )  # fmt: skip
+            worker_id=settings.router_id,
+            role="router",
+            endpoint=f"{settings.advertise_host}:{port}",
+            model=frontend.model_name,
+            num_running=frontend.in_flight,
+        )
         with contextlib.suppress(redis.RedisError):
             await asyncio.to_thread(
                 registry.heartbeat, client, settings.mesh.mesh, record, settings.mesh.heartbeat_ttl_s

@@ -196,8 +196,9 @@ def check_text(value, param: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidRequest(f"{param} holds an unpaired UTF-16 surrogate (not valid Unicode text)",
-                                 param=param) from None  # fmt: skip
+            raise InvalidRequest(
+                f"{param} holds an unpaired UTF-16 surrogate (not valid Unicode text)", param=param
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             check_text(key, param)
@@ -380,7 +381,7 @@ class LogprobFormatter:
                 {
                     **entry(lp.token_id, lp.logprob),
                     "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)],
-                }  # fmt: skip
+                }
                 for lp in logprobs
             ]
         }

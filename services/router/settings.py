@@ -119,17 +119,33 @@ def add_router_arguments(parser) -> None:
     router.add_argument("--aggregated", action="store_true", help="decode workers prefill locally (no prefill workers)")
     router.add_argument("--decode-endpoint", action="append", default=[], help="static decode worker host:port")
     router.add_argument("--prefill-endpoint", action="append", default=[], help="static prefill worker host:port")
-    router.add_argument("--tool-call-parser", default="auto", choices=PARSER_NAMES,
-                        help="format of the model's tool calls (auto: from its chat template)")  # fmt: skip
+    router.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=PARSER_NAMES,
+        help="format of the model's tool calls (auto: from its chat template)",
+    )
     router.add_argument("--max-in-flight", type=int, default=1024)
-    router.add_argument("--max-migrations", type=int, default=RouterSettings.max_migrations,
-                        help="per request: how often a stream may move to another decode worker when its "
-                             "worker fails mid-stream (0: never)")  # fmt: skip
-    router.add_argument("--api-key", action="append", default=[],
-                        help=f"a key clients must send as 'Authorization: Bearer <key>' (repeat for several; also "
-                             f"${API_KEY_ENV}, comma-separated)")  # fmt: skip
-    router.add_argument("--open-path", action="append", default=None,
-                        help=f"a path served without a key (repeat; default {' '.join(OPEN_PATHS)}; "
-                             "--open-path '' keeps none open)")  # fmt: skip
-    router.add_argument("--max-request-bytes", type=int, default=GuardSettings.max_body_bytes,
-                        help="larger request bodies get 413")  # fmt: skip
+    router.add_argument(
+        "--max-migrations",
+        type=int,
+        default=RouterSettings.max_migrations,
+        help="per request: how often a stream may move to another decode worker when its "
+        "worker fails mid-stream (0: never)",
+    )
+    router.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"a key clients must send as 'Authorization: Bearer <key>' (repeat for several; also "
+        f"${API_KEY_ENV}, comma-separated)",
+    )
+    router.add_argument(
+        "--open-path",
+        action="append",
+        default=None,
+        help=f"a path served without a key (repeat; default {' '.join(OPEN_PATHS)}; --open-path '' keeps none open)",
+    )
+    router.add_argument(
+        "--max-request-bytes", type=int, default=GuardSettings.max_body_bytes, help="larger request bodies get 413"
+    )

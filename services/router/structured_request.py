@@ -55,15 +55,15 @@ def _response_format(response_format: dict) -> common_pb2.StructuredOutput | Non
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise InvalidRequest("response_format.json_schema must be an object with a 'schema' object",
-                                 param="response_format")  # fmt: skip
+            raise InvalidRequest(
+                "response_format.json_schema must be an object with a 'schema' object", param="response_format"
+            )
         if not isinstance(spec.get("name", ""), str):
             raise InvalidRequest("response_format.json_schema.name must be a string", param="response_format")
         # no schema: any JSON object (OpenAI requires one; vLLM allows its absence)
         schema = spec.get("schema") or {"type": "object"}
         return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
-    raise InvalidRequest("response_format.type must be 'text', 'json_object' or 'json_schema'",
-                         param="response_format")  # fmt: skip
+    raise InvalidRequest("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
 
 
 def _constraint(kind: str, value: object, param: str) -> common_pb2.StructuredOutput:

@@ -17,5 +17,6 @@ class TokenIdsOnlyTokenizer:
         return ""
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
-        raise InvalidRequest("this model has no tokenizer or chat template: use /v1/completions with token ids",
-                             param="messages")  # fmt: skip
+        raise InvalidRequest(
+            "this model has no tokenizer or chat template: use /v1/completions with token ids", param="messages"
+        )

@@ -32,8 +32,9 @@ class ToolRequest:
                 raise InvalidRequest("tool_choice must name a function of `tools`", param="tool_choice")
             self.named, choice = name, "named"
         elif choice not in ("none", "auto", "required"):
-            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a named function",
-                                 param="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                "tool_choice must be 'none', 'auto', 'required' or a named function", param="tool_choice"
+            )
         elif choice != "none" and not self.functions:
             raise InvalidRequest(f"tool_choice {choice!r} needs tools", param="tool_choice")
         self.choice = choice
@@ -49,9 +50,14 @@ class ToolRequest:
         if self.named is not None:  # choice "named"
             return common_pb2.StructuredOutput(json_schema=json.dumps(_parameters(self.functions[self.named])))
         if self.choice == "required":
-            calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                       "parameters": _parameters(f)},
-                      "required": ["name", "parameters"]} for name, f in self.functions.items()]  # fmt: skip
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(f)},
+                    "required": ["name", "parameters"],
+                }
+                for name, f in self.functions.items()
+            ]
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1
@@ -135,8 +141,9 @@ def _functions(tools: list) -> dict[str, dict]:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}",
-                                 param="tools")  # fmt: skip
+            raise InvalidRequest(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}", param="tools"
+            )
         if not isinstance(function.get("parameters", {}), dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         functions[function["name"]] = function

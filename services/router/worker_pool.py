@@ -59,8 +59,12 @@ class WorkerState:
         A static worker the registry never listed (no heartbeat) has only the `down_s` rule."""
         if self.down_until > now:
             return True
-        return (registry_ok and self.heartbeat_at > 0 and self.failed_beat is not None
-                and self.heartbeat_at == self.failed_beat)  # fmt: skip
+        return (
+            registry_ok
+            and self.heartbeat_at > 0
+            and self.failed_beat is not None
+            and self.heartbeat_at == self.failed_beat
+        )
 
 
 @dataclass(frozen=True)
@@ -235,8 +239,13 @@ class WorkerPool:
                     cached[worker_id] = max(count, cached.get(worker_id, 0))
         return cached
 
-    def choose(self, chain: Sequence[BlockHash], num_prompt_tokens: int, cached: dict[str, int],
-               exclude: Collection[str] = frozenset()) -> Route:  # fmt: skip
+    def choose(
+        self,
+        chain: Sequence[BlockHash],
+        num_prompt_tokens: int,
+        cached: dict[str, int],
+        exclude: Collection[str] = frozenset(),
+    ) -> Route:
         """Pure decision over the current view (no I/O); raises NoWorkerError."""
         decode = self.live(DECODE_ROLES, exclude)
         if not decode:
@@ -259,7 +268,7 @@ class WorkerPool:
                 w.num_queued,
                 w.in_flight,
                 w.pending_prefill_blocks,
-            )  # fmt: skip
+            )
             for w in workers
         ]
         picked = policy.choose(candidates, num_blocks)
@@ -302,5 +311,6 @@ class WorkerPool:
         worker.down_until = self.clock() + self.down_s
         worker.failed_beat = worker.heartbeat_at  # only a newer heartbeat (any stamp: no clock skew) clears it
         self.recent.forget(worker.worker_id)
-        logger.warning("worker %s (%s) failed; not routing to it for %.0f s", worker.worker_id, worker.endpoint,
-                       self.down_s)  # fmt: skip
+        logger.warning(
+            "worker %s (%s) failed; not routing to it for %.0f s", worker.worker_id, worker.endpoint, self.down_s
+        )

@@ -114,15 +114,24 @@ class AdmissionGate(grpc.aio.ServerInterceptor):
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
-        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream else
-                "stream_unary" if handler.stream_unary else "stream_stream")  # fmt: skip
+        kind = (
+            "unary_unary"
+            if handler.unary_unary
+            else "unary_stream"
+            if handler.unary_stream
+            else "stream_unary"
+            if handler.stream_unary
+            else "stream_stream"
+        )
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(refuse, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)  # fmt: skip
+        return make(
+            refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
-def create_server(host: str, port: int, health: HealthReporter,
-                  interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> tuple[grpc.aio.Server, int]:  # fmt: skip
+def create_server(
+    host: str, port: int, health: HealthReporter, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+) -> tuple[grpc.aio.Server, int]:
     """An asyncio server bound to host:port (0 = any free port) with the health service added;
     returns it (not started) and the bound port."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)

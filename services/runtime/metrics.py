@@ -28,12 +28,74 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 # vLLM's buckets for the metrics that carry its names
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)  # fmt: skip
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
 
 
@@ -81,14 +143,21 @@ class _EngineStatsCollector:
         usage = stats.get("kv_usage", 0.0)
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full); older name.", usage)
-        yield gauge("moemesh:num_requests_waiting_for_kv", "Admitted requests waiting for remote KV.",
-                    stats.get("num_waiting_for_kv", 0))  # fmt: skip
+        yield gauge(
+            "moemesh:num_requests_waiting_for_kv",
+            "Admitted requests waiting for remote KV.",
+            stats.get("num_waiting_for_kv", 0),
+        )
         yield gauge("moemesh:kv_blocks_used", "KV blocks referenced by requests.", stats.get("num_blocks_used", 0))
         yield gauge("moemesh:kv_blocks_total", "KV blocks in the pool.", stats.get("num_blocks_total", 0))
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.get("prefix_cache_queries", 0))  # fmt: skip
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      stats.get("prefix_cache_hits", 0))  # fmt: skip
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.get("prefix_cache_queries", 0),
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.get("prefix_cache_hits", 0)
+        )
         yield counter("vllm:num_preemptions", "Preempted requests.", stats.get("num_preemptions", 0))
 
 
@@ -125,31 +194,45 @@ class WorkerMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first admission.",
-                               REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.prefill = histogram("vllm:request_prefill_time_seconds", "First admission to first token.",
-                                 REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token.",
-                                REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.inference = histogram("vllm:request_inference_time_seconds", "First admission to last token.",
-                                   REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                                               TOKEN_COUNT_BUCKETS)  # fmt: skip
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per request.",
-                                                   TOKEN_COUNT_BUCKETS)  # fmt: skip
-        self.request_max_tokens = histogram("vllm:request_params_max_tokens", "max_tokens per request.",
-                                            TOKEN_COUNT_BUCKETS)  # fmt: skip
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first admission.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "First admission to first token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "First admission to last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "max_tokens per request.", TOKEN_COUNT_BUCKETS
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        self.success = Counter("vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"],
-                               registry=self.registry)  # fmt: skip
+        self.success = Counter(
+            "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"], registry=self.registry
+        )
         self.prefills = counter("moemesh:prefills", "Prompts prefilled for a decode worker (prefill role).")
-        self.kv_bytes = Counter("moemesh:kv_transfer_bytes", "KV bytes received from / sent to peers.",
-                                [*names, "direction"], registry=self.registry)  # fmt: skip
+        self.kv_bytes = Counter(
+            "moemesh:kv_transfer_bytes",
+            "KV bytes received from / sent to peers.",
+            [*names, "direction"],
+            registry=self.registry,
+        )
         self.kv_seconds = histogram("moemesh:kv_transfer_seconds", "Duration of one KV transfer.", LATENCY_BUCKETS)
-        self.kv_resumed_tokens = counter("moemesh:kv_transfer_resumed_tokens",
-                                         "Prompt tokens whose KV a failed remote prefill had delivered, kept by the "
-                                         "local prefill that resumed after them (decode role).")  # fmt: skip
+        self.kv_resumed_tokens = counter(
+            "moemesh:kv_transfer_resumed_tokens",
+            "Prompt tokens whose KV a failed remote prefill had delivered, kept by the "
+            "local prefill that resumed after them (decode role).",
+        )
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
 
@@ -191,27 +274,57 @@ class RouterMetrics:
         labels = {"model_name": model_name}
         self._labels = labels
         names = list(labels)
-        self.ttft = Histogram("moemesh:router_time_to_first_token_seconds", "TTFT seen by the router.", names,
-                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
-        self.itl = Histogram("moemesh:router_inter_token_latency_seconds", "Inter-token latency seen by the router.",
-                             names, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
-        self.requests = Counter("moemesh:router_requests", "Requests by outcome.", [*names, "outcome"],
-                                registry=self.registry)  # fmt: skip
-        self.routed = Counter("moemesh:router_routed", "Requests routed per worker and role.",
-                              [*names, "worker_id", "role"], registry=self.registry)  # fmt: skip
-        self.in_flight = Gauge("vllm:num_requests_running", "Requests in flight through the router.", names,
-                               registry=self.registry).labels(**labels)  # fmt: skip
-        self.prompt_tokens = Counter("moemesh:router_prompt_tokens", "Prompt tokens routed.", names,
-                                     registry=self.registry).labels(**labels)  # fmt: skip
-        self.cached_tokens = Counter("moemesh:router_cached_prompt_tokens", "Prompt tokens served from a prefix cache.",
-                                     names, registry=self.registry).labels(**labels)  # fmt: skip
-        self.migrations = Counter("moemesh:router_migrations", "Requests resumed on another decode worker mid-stream.",
-                                  names, registry=self.registry).labels(**labels)  # fmt: skip
-        self.redis_up = Gauge("moemesh:router_redis_up", "1 while Redis answers.", names,
-                              registry=self.registry).labels(**labels)  # fmt: skip
-        self.decision_seconds = Histogram("moemesh:router_decision_seconds", "Routing decision time.", names,
-                                          buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
-                                          registry=self.registry).labels(**labels)  # fmt: skip
+        self.ttft = Histogram(
+            "moemesh:router_time_to_first_token_seconds",
+            "TTFT seen by the router.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.itl = Histogram(
+            "moemesh:router_inter_token_latency_seconds",
+            "Inter-token latency seen by the router.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.requests = Counter(
+            "moemesh:router_requests", "Requests by outcome.", [*names, "outcome"], registry=self.registry
+        )
+        self.routed = Counter(
+            "moemesh:router_routed",
+            "Requests routed per worker and role.",
+            [*names, "worker_id", "role"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "vllm:num_requests_running", "Requests in flight through the router.", names, registry=self.registry
+        ).labels(**labels)
+        self.prompt_tokens = Counter(
+            "moemesh:router_prompt_tokens", "Prompt tokens routed.", names, registry=self.registry
+        ).labels(**labels)
+        self.cached_tokens = Counter(
+            "moemesh:router_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache.",
+            names,
+            registry=self.registry,
+        ).labels(**labels)
+        self.migrations = Counter(
+            "moemesh:router_migrations",
+            "Requests resumed on another decode worker mid-stream.",
+            names,
+            registry=self.registry,
+        ).labels(**labels)
+        self.redis_up = Gauge(
+            "moemesh:router_redis_up", "1 while Redis answers.", names, registry=self.registry
+        ).labels(**labels)
+        self.decision_seconds = Histogram(
+            "moemesh:router_decision_seconds",
+            "Routing decision time.",
+            names,
+            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+            registry=self.registry,
+        ).labels(**labels)
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(**self._labels, outcome=outcome).inc()
@@ -230,13 +343,17 @@ class _ExpertTokensCollector:
     def collect(self):
         counts, version = self._state()
         names, values = list(self._labels), list(self._labels.values())
-        tokens = CounterMetricFamily("moemesh:expert_tokens", "Tokens computed per (MoE layer, logical expert).",
-                                     labels=[*names, "layer", "expert"])  # fmt: skip
+        tokens = CounterMetricFamily(
+            "moemesh:expert_tokens",
+            "Tokens computed per (MoE layer, logical expert).",
+            labels=[*names, "layer", "expert"],
+        )
         for layer, expert in zip(*counts.nonzero()):
             tokens.add_metric([*values, str(layer), str(expert)], float(counts[layer, expert]))
         yield tokens
-        placement = GaugeMetricFamily("moemesh:expert_placement_version", "Active placement version held (0: none).",
-                                      labels=names)  # fmt: skip
+        placement = GaugeMetricFamily(
+            "moemesh:expert_placement_version", "Active placement version held (0: none).", labels=names
+        )
         placement.add_metric(values, float(version))
         yield placement
 
@@ -251,10 +368,16 @@ class ExpertMetrics:
         self._labels = labels
         names = list(labels)
         self.registry.register(_ExpertTokensCollector(state, labels))
-        self.calls = Counter("moemesh:expert_calls", "RunExperts calls by gRPC status.", [*names, "code"],
-                             registry=self.registry)  # fmt: skip
-        self.latency = Histogram("moemesh:expert_call_seconds", "Time to answer one RunExperts call.", names,
-                                 buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)  # fmt: skip
+        self.calls = Counter(
+            "moemesh:expert_calls", "RunExperts calls by gRPC status.", [*names, "code"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "moemesh:expert_call_seconds",
+            "Time to answer one RunExperts call.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
 
     def call(self, code: str, seconds: float | None = None) -> None:
         self.calls.labels(**self._labels, code=code).inc()

@@ -106,9 +106,13 @@ def add_common_arguments(parser) -> None:
         help="export spans over OTLP/gRPC to this collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
     parser.add_argument("--parent-pid", type=int, default=None, help="stop when this process exits (launchers)")
-    parser.add_argument("--drain-seconds", type=float, default=None,
-                        help="on SIGTERM: stop taking requests and let in-flight ones finish this long (default 30; "
-                             "the router migrates what is left)")  # fmt: skip
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=None,
+        help="on SIGTERM: stop taking requests and let in-flight ones finish this long (default 30; "
+        "the router migrates what is left)",
+    )
     parser.add_argument("--host", default=None, help="bind address (default 0.0.0.0)")
     parser.add_argument("--grpc-port", type=int, default=None, help="gRPC port (router: client API, 0 = off)")
     parser.add_argument(

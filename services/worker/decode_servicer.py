@@ -63,8 +63,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             remote = RemotePrefillParams(
                 self.min_remote_prefill_tokens, request.prefill_endpoint, request.sampling, ctx
             )
-        events = self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
-                                      kv_transfer_params=remote, resume_token_ids=resume)  # fmt: skip
+        events = self.engine.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            kv_transfer_params=remote,
+            resume_token_ids=resume,
+        )
         num_remote_tokens, remote_first_token = 0, False
         last = first_token = scheduled = None
         num_generated, recorded = 0, False
@@ -73,9 +78,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             nonlocal recorded
             if not recorded:
                 recorded = True
-                self.metrics.request_finished(RequestTimes(
-                    arrival, scheduled, first_token, time.monotonic(), len(request.prompt_token_ids), num_generated,
-                    params.max_tokens, finish_reason))  # fmt: skip
+                self.metrics.request_finished(
+                    RequestTimes(
+                        arrival,
+                        scheduled,
+                        first_token,
+                        time.monotonic(),
+                        len(request.prompt_token_ids),
+                        num_generated,
+                        params.max_tokens,
+                        finish_reason,
+                    )
+                )
 
         # spans: local = "queue+prefill" -> "decode"; remote = "queue" -> "kv_transfer" -> "decode"
         phase = self._tracer.start_span("queue+prefill", context=ctx)
@@ -89,8 +103,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                         continue
                     if isinstance(event, KVLoadFinished):
                         num_remote_tokens, remote_first_token = event.num_tokens, event.with_first_token
-                        phase = self._tracer.start_span("decode" if remote_first_token else "prefill.fallback",
-                                                        context=ctx)  # fmt: skip
+                        phase = self._tracer.start_span(
+                            "decode" if remote_first_token else "prefill.fallback", context=ctx
+                        )
                         continue
                     now = time.monotonic()
                     scheduled = event.scheduled_time or scheduled

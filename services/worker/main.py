@@ -112,12 +112,18 @@ class Worker:
                 return 0
             engine = self.engine.engine
             self.publisher = PrefixIndexPublisher(
-                PrefixIndex(self.redis, s.mesh.mesh), s.worker_id, engine.budget.block_size, engine.model_id,
+                PrefixIndex(self.redis, s.mesh.mesh),
+                s.worker_id,
+                engine.budget.block_size,
+                engine.model_id,
                 snapshot=lambda: self.engine.call(lambda e: e.kv_cache_manager.cached_block_hashes()),
                 ttl_s=s.mesh.heartbeat_ttl_s,
-            )  # fmt: skip
-            self._tasks = [asyncio.create_task(self.publisher.run()), asyncio.create_task(self._heartbeats()),
-                           asyncio.create_task(self.experts.watch())]  # fmt: skip
+            )
+            self._tasks = [
+                asyncio.create_task(self.publisher.run()),
+                asyncio.create_task(self._heartbeats()),
+                asyncio.create_task(self.experts.watch()),
+            ]
             await self.publisher.flush()
             self.gate.open()  # before the heartbeat: routers may pick it from then on
             await self._heartbeat_once()

@@ -47,8 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         sampling = await admit(self.engine, request.sampling, context)
         layout = self.connector.layout
         if layout_from_proto(request.layout) != layout:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV layout mismatch: this worker has {layout}")  # fmt: skip
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: this worker has {layout}")
         # one token; EOS and stop ids stay in the params so that min_tokens masks them for it too
         params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1), stop=())
         chunk_bytes = min(request.max_chunk_bytes or self.chunk_bytes, self.chunk_bytes)
@@ -57,9 +56,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         span.set_attribute("moemesh.request_id", request.request_id)
         span.set_attribute("moemesh.num_prompt_tokens", len(request.prompt_token_ids))
         events = self.engine.generate(  # own id space: a 'both' worker may prefill for itself
-            f"{request.request_id}/prefill", list(request.prompt_token_ids), params,
+            f"{request.request_id}/prefill",
+            list(request.prompt_token_ids),
+            params,
             kv_transfer_params=KVExportParams(request.num_computed_tokens),
-        )  # fmt: skip
+        )
         num_bytes = 0
         try:
             async with engine_errors_as_status(context):
@@ -67,8 +68,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                     if not isinstance(event, ExportedKV):
                         continue
                     for first, data in split_kv(event.piece.data, layout, event.piece.start, chunk_bytes):
-                        yield prefill_pb2.PrefillResponse(chunk=prefill_pb2.KVChunk(
-                            start_token=first, num_tokens=len(data) // layout.bytes_per_token, data=data))  # fmt: skip
+                        yield prefill_pb2.PrefillResponse(
+                            chunk=prefill_pb2.KVChunk(
+                                start_token=first, num_tokens=len(data) // layout.bytes_per_token, data=data
+                            )
+                        )
                         self.metrics.count_kv_bytes("sent", len(data))
                         num_bytes += len(data)
                     if event.first_token is not None:

@@ -82,8 +82,12 @@ class PrefixIndexPublisher:
         if self._need_resync:
             self._pending.clear()  # the snapshot covers every change so far
             hashes = await self.snapshot()
-            if await self._call(self.index.resync, self.worker_id, self.epoch, hashes, self.block_size,
-                                self.model_id, self.ttl_s) is not None:  # fmt: skip
+            if (
+                await self._call(
+                    self.index.resync, self.worker_id, self.epoch, hashes, self.block_size, self.model_id, self.ttl_s
+                )
+                is not None
+            ):
                 self.seq = 0
                 self.num_resyncs += 1
                 self._need_resync = False
@@ -94,11 +98,13 @@ class PrefixIndexPublisher:
         self.seq += 1
         stored = [h for h, present in batch.items() if present]
         removed = [h for h, present in batch.items() if not present]
-        applied = await self._call(self.index.apply_batch, self.worker_id, self.epoch, self.seq, stored, removed,
-                                   self.ttl_s)  # fmt: skip
+        applied = await self._call(
+            self.index.apply_batch, self.worker_id, self.epoch, self.seq, stored, removed, self.ttl_s
+        )
         if applied is False:
-            logger.info("prefix index: batch %d of %s not applied (gap, restart or reset); resyncing",
-                        self.seq, self.worker_id)  # fmt: skip
+            logger.info(
+                "prefix index: batch %d of %s not applied (gap, restart or reset); resyncing", self.seq, self.worker_id
+            )
             self._need_resync = True
             self._wake.set()
 

@@ -94,10 +94,14 @@ class WorkerSettings:
             "measured before the remote executor is installed); use --speculative-scheduling fixed",
         )
         check(
-            not (self.expert.remote and self.expert.transport == "torch-dist" and self.expert.dist_backend == "nccl"
-                 and not self.engine.device.startswith("cuda")),
+            not (
+                self.expert.remote
+                and self.expert.transport == "torch-dist"
+                and self.expert.dist_backend == "nccl"
+                and not self.engine.device.startswith("cuda")
+            ),
             "--expert-dist-backend nccl moves GPU tensors: it needs --device cuda (use gloo on the CPU)",
-        )  # fmt: skip
+        )
 
     @property
     def endpoint(self) -> str:
@@ -152,10 +156,14 @@ def add_worker_arguments(parser) -> None:
         default=None,
         help="decode: prefill remotely only when this many prompt tokens are uncached (default 64)",
     )
-    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                        help="decode: seconds a remote prefill may go without sending KV, and the base of its "
-                             "deadline: this plus --kv-transfer-timeout-per-token per uncached prompt token; then "
-                             "the worker prefills the tokens whose KV did not arrive locally")  # fmt: skip
+    worker.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="decode: seconds a remote prefill may go without sending KV, and the base of its "
+        "deadline: this plus --kv-transfer-timeout-per-token per uncached prompt token; then "
+        "the worker prefills the tokens whose KV did not arrive locally",
+    )
     worker.add_argument("--kv-transfer-timeout-per-token", type=float, default=0.02)
     worker.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="prefill: KV chunk size (<= 3 MiB)")
     worker.add_argument("--max-queued-requests", type=int, default=256)

@@ -149,8 +149,12 @@ def test_every_pod_runs_as_non_root_without_privilege_escalation(chart):
 
 
 def rules_of(role):
-    return {(group, resource): set(rule["verbs"]) for rule in role["rules"]
-            for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
+    return {
+        (group, resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
 
 
 CHILD_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
@@ -161,8 +165,13 @@ def test_rbac_is_least_privilege(chart):
     rules = rules_of(role)
     assert all("*" not in verbs for verbs in rules.values())
     assert not any(resource == "secrets" for _, resource in rules), "no Secrets cluster-wide"
-    for child in [("apps", "deployments"), ("apps", "statefulsets"), ("", "configmaps"), ("", "services"),
-                  ("policy", "poddisruptionbudgets")]:  # fmt: skip
+    for child in [
+        ("apps", "deployments"),
+        ("apps", "statefulsets"),
+        ("", "configmaps"),
+        ("", "services"),
+        ("policy", "poddisruptionbudgets"),
+    ]:
         assert rules[child] == CHILD_VERBS, child
     assert rules[("moemesh.io", "inferencemeshes")] == {"get", "list", "watch", "patch", "update"}
     assert rules[("moemesh.io", "inferencemeshes/status")] == {"get", "patch", "update"}
@@ -273,12 +282,18 @@ def test_the_expert_transport_reaches_the_workers_and_torch_dist_opens_worker_to
         [mesh] = by_kind(docs, "InferenceMesh")
         assert mesh["spec"]["expertTransport"] == transport
         validate_cr(crd, mesh)
-        config = json.loads(manifests.config_map(parse_spec(mesh["spec"], default_image="unused"), "m", "ns", "uid",
-                                                 "redis://r")["data"]["mesh.json"])  # fmt: skip
+        config = json.loads(
+            manifests.config_map(parse_spec(mesh["spec"], default_image="unused"), "m", "ns", "uid", "redis://r")[
+                "data"
+            ]["mesh.json"]
+        )
         assert config["expert_transport"] == transport
         [workers] = [p for p in by_kind(docs, "NetworkPolicy") if p["metadata"]["name"].endswith("-workers")]
-        ephemeral = [r for r in workers["spec"]["ingress"] if {"protocol": "TCP", "port": 1024, "endPort": 65535}
-                     in r.get("ports", [])]  # fmt: skip
+        ephemeral = [
+            r
+            for r in workers["spec"]["ingress"]
+            if {"protocol": "TCP", "port": 1024, "endPort": 65535} in r.get("ports", [])
+        ]
         assert len(ephemeral) == (transport == "torch-dist"), transport
     with pytest.raises(SpecError, match="spec.expertTransport must be one of"):
         parse_spec({**SAMPLE["spec"], "expertTransport": "carrier-pigeon"}, default_image="unused")
@@ -342,8 +357,14 @@ def test_the_model_dtype_reaches_every_worker_role(chart, crd, tmp_path, dtype):
     assert MODEL_DTYPES == DTYPE_CHOICES
     [mesh] = by_kind(render(chart, {} if dtype is None else {"mesh": {"model": {"dtype": dtype}}}), "InferenceMesh")
     validate_cr(crd, mesh)
-    spec = parse_spec({**mesh["spec"], "expert": {"replicas": 1}, "model": {**mesh["spec"]["model"], "numMoeLayers": 1,
-                                                                            "numExperts": 4}}, default_image="unused")  # fmt: skip
+    spec = parse_spec(
+        {
+            **mesh["spec"],
+            "expert": {"replicas": 1},
+            "model": {**mesh["spec"]["model"], "numMoeLayers": 1, "numExperts": 4},
+        },
+        default_image="unused",
+    )
     config = tmp_path / "mesh.json"
     config.write_text(manifests.config_map(spec, "m", "ns", "uid", "redis://r")["data"]["mesh.json"])
     for role in ("prefill", "decode", "expert"):
@@ -468,16 +489,33 @@ def test_values_schema_accepts_the_shipped_values_files(chart, case):
 MODEL_SOURCES = {
     "unset": (None, {"builtin": "smollm2"}),
     "builtin": ({"builtin": "smollm2"}, {"builtin": "smollm2"}),
-    "pvc": ({"pvc": {"claimName": "models", "path": "org/model-a"}}, {"pvc": {"claimName": "models", "path": "org/model-a"}}),
+    "pvc": (
+        {"pvc": {"claimName": "models", "path": "org/model-a"}},
+        {"pvc": {"claimName": "models", "path": "org/model-a"}},
+    ),
     "hostPath": ({"hostPath": {"path": "/mnt/models/a.gguf"}}, {"hostPath": {"path": "/mnt/models/a.gguf"}}),
     "hf-minimal": ({"hf": {"repo": "org/model-a"}}, {"hf": {"repo": "org/model-a", "revision": "main"}}),
     "hf-full": (
-        {"hf": {"repo": "org/model-a", "revision": "v1.2", "tokenSecretRef": {"name": "hf-token", "key": "token"},
-                "endpoint": "http://hub-mirror.mirrors.svc:8080", "cacheClaimName": "hf-cache"}},
-        {"hf": {"repo": "org/model-a", "revision": "v1.2", "tokenSecretRef": {"name": "hf-token", "key": "token"},
-                "endpoint": "http://hub-mirror.mirrors.svc:8080", "cacheClaimName": "hf-cache"}},
+        {
+            "hf": {
+                "repo": "org/model-a",
+                "revision": "v1.2",
+                "tokenSecretRef": {"name": "hf-token", "key": "token"},
+                "endpoint": "http://hub-mirror.mirrors.svc:8080",
+                "cacheClaimName": "hf-cache",
+            }
+        },
+        {
+            "hf": {
+                "repo": "org/model-a",
+                "revision": "v1.2",
+                "tokenSecretRef": {"name": "hf-token", "key": "token"},
+                "endpoint": "http://hub-mirror.mirrors.svc:8080",
+                "cacheClaimName": "hf-cache",
+            }
+        },
     ),
-}  # fmt: skip
+}
 
 
 def with_source(source):
@@ -543,23 +581,47 @@ def pass_through(role):
         "priorityClassName": f"moemesh-{role}",
         "nodeSelector": {"node.kubernetes.io/instance-type": "gpu-large"},
         "affinity": {
-            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}]}]}},
-            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 50, "podAffinityTerm": {
-                "topologyKey": "kubernetes.io/hostname",
-                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": role}}}}]},
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}]}
+                    ]
+                }
+            },
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 50,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": role}},
+                        },
+                    }
+                ]
+            },
         },
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                                       "whenUnsatisfiable": "ScheduleAnyway",
-                                       "labelSelector": {"matchLabels": {"app.kubernetes.io/component": role}}}],
-        "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
-                {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
-        "volumes": [{"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
-                    {"name": "certs", "secret": {"secretName": "mesh-certs", "defaultMode": 0o440}}],
-        "volumeMounts": [{"name": "nvme", "mountPath": "/mnt/nvme"},
-                         {"name": "certs", "mountPath": "/etc/certs", "readOnly": True}],
-    }  # fmt: skip
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": role}},
+            }
+        ],
+        "env": [
+            {"name": "NCCL_DEBUG", "value": "WARN"},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        ],
+        "volumes": [
+            {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+            {"name": "certs", "secret": {"secretName": "mesh-certs", "defaultMode": 0o440}},
+        ],
+        "volumeMounts": [
+            {"name": "nvme", "mountPath": "/mnt/nvme"},
+            {"name": "certs", "mountPath": "/etc/certs", "readOnly": True},
+        ],
+    }
 
 
 PULL_SECRETS = [{"name": "registry-a"}, {"name": "registry-b"}]
@@ -693,8 +755,12 @@ def selects(selector: dict, labels: dict) -> bool:
         return False
     for expr in selector.get("matchExpressions") or []:
         key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
         if not ok:
             return False
     return True

@@ -66,9 +66,11 @@ def test_worker_command_is_the_services_image_entrypoint_and_serve_exists():
         pytest.fail(f"moemesh.cli (the services image's `moemesh` entrypoint) does not import: {e!r}", pytrace=False)
     parser = cli.build_parser()
     subcommands = {
-        name for action in parser._actions if hasattr(action, "choices") and isinstance(action.choices, dict)
+        name
+        for action in parser._actions
+        if hasattr(action, "choices") and isinstance(action.choices, dict)
         for name in action.choices
-    }  # fmt: skip
+    }
     assert command[1] == "serve" and "serve" in subcommands, (
         f"`moemesh serve` missing; moemesh has {sorted(subcommands)}"
     )

@@ -184,10 +184,12 @@ def test_restore_puts_back_the_held_version_only_into_an_empty_store(store, redi
     assert store.current_version() == 5 and store.get(4).version == 4
 
 
-@pytest.mark.parametrize("num_experts, num_workers, replicas, slots_per_worker",
-                         [(16, 2, 2, 16), (5, 3, 2, 4), (4, 4, 3, 3), (3, 2, 1, 2)])  # fmt: skip
-def test_even_placement_puts_each_replica_of_an_expert_on_another_worker(num_experts, num_workers, replicas,
-                                                                         slots_per_worker):  # fmt: skip
+@pytest.mark.parametrize(
+    "num_experts, num_workers, replicas, slots_per_worker", [(16, 2, 2, 16), (5, 3, 2, 4), (4, 4, 3, 3), (3, 2, 1, 2)]
+)
+def test_even_placement_puts_each_replica_of_an_expert_on_another_worker(
+    num_experts, num_workers, replicas, slots_per_worker
+):
     workers = [f"expert-{w}" for w in range(num_workers)]
     placement = even_placement(2, num_experts, workers, replicas=replicas)
     assert placement.num_slots == slots_per_worker * num_workers

@@ -36,8 +36,9 @@ def render_chart(values: dict | None, release: str, namespace: str) -> list[dict
     import helm_python as helm
 
     rendered = helm.Chart.load(str(CHART)).render(values, name=release, namespace=namespace)
-    return [doc for path, text in rendered.items() if not path.endswith(".txt")
-            for doc in yaml.safe_load_all(text) if doc]  # fmt: skip
+    return [
+        doc for path, text in rendered.items() if not path.endswith(".txt") for doc in yaml.safe_load_all(text) if doc
+    ]
 
 
 def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -91,8 +92,21 @@ class RedisAt:
     """redis-server bound to one loopback address and port (the Service's), with a password."""
 
     def __init__(self, address: str, port: int, password: str | None, workdir: pathlib.Path):
-        args = [redis_server_binary(), "--bind", address, "--port", str(port), "--save", "", "--appendonly", "no",
-                "--dir", str(workdir), "--protected-mode", "no"]  # fmt: skip
+        args = [
+            redis_server_binary(),
+            "--bind",
+            address,
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--protected-mode",
+            "no",
+        ]
         if password:
             args += ["--requirepass", password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,9 +129,12 @@ class RedisAt:
 def declare_resources(emulator) -> None:
     emulator.resources.load_bundled()
     emulator.resources[MESHES] = kmock.ResourceInfo(
-        kind="InferenceMesh", singular="inferencemesh", namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status", "scale"},
-    )  # fmt: skip
+        kind="InferenceMesh",
+        singular="inferencemesh",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+        subresources={"status", "scale"},
+    )
     emulator.resources["v1/namespaces"].namespaced = False
 
 
@@ -133,8 +150,9 @@ async def operator_on(emulator, config: OperatorConfig, namespace: str):
     settings.watching.reconnect_backoff = 0.1
     settings.queueing.exit_timeout = 0.1
     ready = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, settings=settings, namespaces=[namespace],
-                                             standalone=True, ready_flag=ready))  # fmt: skip
+    task = asyncio.create_task(
+        kopf.operator(registry=registry, settings=settings, namespaces=[namespace], standalone=True, ready_flag=ready)
+    )
     await asyncio.wait_for(ready.wait(), timeout=120)
     try:
         yield
@@ -202,10 +220,17 @@ class Kubelet:
     async def publish_pods(self) -> None:
         """The Pod objects the workload controllers create, labelled as their templates."""
         for name, pod in self.pods.items():
-            body = {"apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"name": name, "namespace": self.node.namespace,
-                                 "labels": dict(pod.template["metadata"]["labels"])},
-                    "spec": pod.spec, "status": {"phase": "Pending", "podIP": pod.ip}}  # fmt: skip
+            body = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": self.node.namespace,
+                    "labels": dict(pod.template["metadata"]["labels"]),
+                },
+                "spec": pod.spec,
+                "status": {"phase": "Pending", "podIP": pod.ip},
+            }
             response = await self.emulator.post(f"/api/v1/namespaces/{self.node.namespace}/pods", json=body)
             assert response.status < 300, await response.text()
 
@@ -213,10 +238,23 @@ class Kubelet:
         """What the kubelet writes when a container of the pod failed: its terminated state, with the
         termination message (FallbackToLogsOnError) and the pod phase."""
         assert pod.terminated is not None, f"{pod.name} has not failed"
-        state = {"terminated": {"exitCode": pod.terminated["exitCode"], "reason": "Error",
-                                "message": pod.terminated["message"]}}  # fmt: skip
-        statuses = [{"name": pod.terminated["container"], "ready": False, "restartCount": 0, "state": state,
-                     "image": "moemesh", "imageID": ""}]  # fmt: skip
+        state = {
+            "terminated": {
+                "exitCode": pod.terminated["exitCode"],
+                "reason": "Error",
+                "message": pod.terminated["message"],
+            }
+        }
+        statuses = [
+            {
+                "name": pod.terminated["container"],
+                "ready": False,
+                "restartCount": 0,
+                "state": state,
+                "image": "moemesh",
+                "imageID": "",
+            }
+        ]
         key = "initContainerStatuses" if pod.terminated["init"] else "containerStatuses"
         body = {"status": {"phase": "Failed", "podIP": pod.ip, key: statuses}}
         response = await self.emulator.patch(
@@ -232,8 +270,14 @@ class Kubelet:
             meta = workload["metadata"]
             replicas = workload["spec"].get("replicas", 1)
             url = f"/apis/apps/v1/namespaces/{meta['namespace']}/{resource_of[workload['kind']]}/{meta['name']}/status"
-            body = {"status": {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
-                               "observedGeneration": meta.get("generation", 1)}}  # fmt: skip
+            body = {
+                "status": {
+                    "replicas": replicas,
+                    "readyReplicas": replicas,
+                    "availableReplicas": replicas,
+                    "observedGeneration": meta.get("generation", 1),
+                }
+            }
             response = await self.emulator.patch(
                 url, json=body, headers={"Content-Type": "application/merge-patch+json"}
             )

@@ -144,8 +144,12 @@ class Pod:
         return path
 
     def _env(self, container: dict) -> dict[str, str]:
-        env = {"PATH": f"{self.node.image_path}:/usr/local/bin:/usr/bin:/bin", "HOSTNAME": self.name,
-               "HOME": "/tmp", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        env = {
+            "PATH": f"{self.node.image_path}:/usr/local/bin:/usr/bin:/bin",
+            "HOSTNAME": self.name,
+            "HOME": "/tmp",
+            "PYTHONUNBUFFERED": "1",
+        }
         for key in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "TRITON_INTERPRET"):  # this machine's, not the pod's
             if key in os.environ:
                 env[key] = os.environ[key]
@@ -156,8 +160,11 @@ class Pod:
             source = var["valueFrom"]
             if "fieldRef" in source:
                 field_path = source["fieldRef"]["fieldPath"]
-                env[var["name"]] = {"metadata.name": self.name, "metadata.namespace": self.node.namespace,
-                                    "status.podIP": self.ip}[field_path]  # fmt: skip
+                env[var["name"]] = {
+                    "metadata.name": self.name,
+                    "metadata.namespace": self.node.namespace,
+                    "status.podIP": self.ip,
+                }[field_path]
             elif "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
                 env[var["name"]] = base64.b64decode(self.node.secrets[ref["name"]][ref["key"]]).decode()
@@ -180,16 +187,31 @@ class Pod:
         argv = [expand(a, env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         uid, gid = self._user() if image_runs_as_pod_user(self._user()[0]) else (None, None)
         image = sorted({str(ROOT), sys.prefix, sys.base_prefix, os.path.realpath(sys.executable).rsplit("/bin/", 1)[0]})
-        spec = {"mounts": mounts, "uid": uid, "gid": gid, "argv": argv, "env": env, "image": image,
-                "cwd": container.get("workingDir") or "/tmp"}  # fmt: skip
+        spec = {
+            "mounts": mounts,
+            "uid": uid,
+            "gid": gid,
+            "argv": argv,
+            "env": env,
+            "image": image,
+            "cwd": container.get("workingDir") or "/tmp",
+        }
         path = self.dir / f"{kind}.json"
         path.write_text(json.dumps(spec))
         return path
 
     def _launch(self, spec_path: Path, log_path: Path) -> subprocess.Popen:
         log = open(log_path, "wb")
-        argv = ["unshare", "--mount", "--propagation", "private", sys.executable, "-m", "tests.deploy.pod_exec",
-                str(spec_path)]  # fmt: skip
+        argv = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-m",
+            "tests.deploy.pod_exec",
+            str(spec_path),
+        ]
         return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -201,8 +223,12 @@ class Pod:
             process = self._launch(self._spec_file(init, volumes, hosts, f"init-{init['name']}"), log_path)
             code = process.wait(timeout=600)
             if code != 0:
-                self.terminated = {"container": init["name"], "init": True, "exitCode": code,
-                                   "message": termination_message(log_path)}  # fmt: skip
+                self.terminated = {
+                    "container": init["name"],
+                    "init": True,
+                    "exitCode": code,
+                    "message": termination_message(log_path),
+                }
                 raise PodFailed(f"{self.name}: init container {init['name']} exited {code}: {tail(log_path)}")
         self.process = self._launch(self._spec_file(self.container, volumes, hosts, "main"), self.log_path)
         return self
@@ -211,8 +237,12 @@ class Pod:
         assert self.process is not None
         code = self.process.wait(timeout=timeout_s)
         if code != 0:
-            self.terminated = {"container": self.container["name"], "init": False, "exitCode": code,
-                               "message": termination_message(self.log_path)}  # fmt: skip
+            self.terminated = {
+                "container": self.container["name"],
+                "init": False,
+                "exitCode": code,
+                "message": termination_message(self.log_path),
+            }
         return code
 
     def port(self, name_or_number) -> int:
@@ -282,8 +312,14 @@ def image_runs_as_pod_user(uid: int | None) -> bool:
         return True
     if uid not in _RUNNABLE:
         try:
-            probe = subprocess.run([sys.executable, "-c", "import moemesh"], user=uid, group=uid, extra_groups=[],
-                                   cwd="/", capture_output=True)  # fmt: skip
+            probe = subprocess.run(
+                [sys.executable, "-c", "import moemesh"],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                cwd="/",
+                capture_output=True,
+            )
             _RUNNABLE[uid] = probe.returncode == 0
         except PermissionError:
             _RUNNABLE[uid] = False
@@ -292,8 +328,11 @@ def image_runs_as_pod_user(uid: int | None) -> bool:
 
 def expand(text: str, env: dict[str, str]) -> str:
     """The kubelet's `$(VAR)` expansion ($$ escapes; unknown references stay as written)."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)  # fmt: skip
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        text,
+    )
 
 
 def termination_message(path: Path) -> str:

@@ -31,8 +31,9 @@ def mount(source: str | int, target: str, read_only: bool) -> None:
     if isinstance(source, int):
         # --no-canonicalize: mount(8) would resolve the magic link to a path string, which an earlier
         # mount may now hide (a source under /tmp once an emptyDir is mounted at /tmp)
-        subprocess.run(["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{source}", target], check=True,
-                       pass_fds=[source])  # fmt: skip
+        subprocess.run(
+            ["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{source}", target], check=True, pass_fds=[source]
+        )
     else:
         subprocess.run(["mount", "--bind", source, target], check=True)
     if read_only:

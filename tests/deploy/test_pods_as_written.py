@@ -42,8 +42,12 @@ pytestmark = pytest.mark.asyncio
 
 NAMESPACE, RELEASE = "moemesh", "mm"
 RESOURCE_OF = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
-METRIC_OF_ROLE = {"router": b"moemesh:router_requests", "prefill": b"vllm:num_requests_running",
-                  "decode": b"vllm:num_requests_running", "expert": b"moemesh:expert_calls"}  # fmt: skip
+METRIC_OF_ROLE = {
+    "router": b"moemesh:router_requests",
+    "prefill": b"vllm:num_requests_running",
+    "decode": b"vllm:num_requests_running",
+    "expert": b"moemesh:expert_calls",
+}
 
 
 def condition(mesh: dict | None, kind: str) -> dict | None:
@@ -107,9 +111,10 @@ async def children_of(emulator, mesh_name: str, node: Node) -> list[dict]:
     workloads = await eventually(
         lambda: (lambda w: w if len(w) == 4 else None)(
             owned(emulator, "apps/v1/deployments", NAMESPACE, mesh_name)
-            + owned(emulator, "apps/v1/statefulsets", NAMESPACE, mesh_name)),
+            + owned(emulator, "apps/v1/statefulsets", NAMESPACE, mesh_name)
+        ),
         message="the mesh's workloads",
-    )  # fmt: skip
+    )
     node.add_objects(owned(emulator, "v1/configmaps", NAMESPACE, mesh_name))
     return workloads
 
@@ -139,8 +144,10 @@ async def ready_only_after_the_workloads_report(emulator, kubelet: Kubelet, work
     mesh = live(emulator, MESHES, NAMESPACE, mesh_name)
     assert (condition(mesh, "Ready") or {}).get("status") != "True", "Ready before any pod was ready"
     await kubelet.report_ready(workloads, RESOURCE_OF)
-    await eventually(lambda: (condition(live(emulator, MESHES, NAMESPACE, mesh_name), "Ready") or {}).get("status")
-                     == "True", message="Ready=True")  # fmt: skip
+    await eventually(
+        lambda: (condition(live(emulator, MESHES, NAMESPACE, mesh_name), "Ready") or {}).get("status") == "True",
+        message="Ready=True",
+    )
     ready = condition(live(emulator, MESHES, NAMESPACE, mesh_name), "Ready")
     assert ready["observedGeneration"] == live(emulator, MESHES, NAMESPACE, mesh_name)["metadata"]["generation"]
 
@@ -159,8 +166,13 @@ async def test_the_charts_default_mesh_serves_smollm2_as_the_offline_engine_does
         (router,) = kubelet.pods_of("router")
         messages = [{"role": "user", "content": "Name two planets."}]
         client = openai.OpenAI(base_url=f"http://{router.ip}:{router.port('http')}/v1", api_key="unused")
-        reply = await asyncio.to_thread(client.chat.completions.create, model=mesh["spec"]["model"]["name"],
-                                        messages=messages, max_tokens=16, temperature=0)  # fmt: skip
+        reply = await asyncio.to_thread(
+            client.chat.completions.create,
+            model=mesh["spec"]["model"]["name"],
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+        )
         expected = smollm.chat(messages, SamplingParams(temperature=0, max_tokens=16))[0].text
         assert reply.choices[0].message.content == expected
         assert [m.id for m in client.models.list().data] == [mesh["spec"]["model"]["name"]]
@@ -190,8 +202,13 @@ def deepseek_mesh(docs: list[dict], name: str, claim: str, path: str) -> dict:
     mesh = json.loads(json.dumps(one(docs, "InferenceMesh")))
     mesh["metadata"].update(name=name, uid=f"uid-{name}", generation=1, resourceVersion="1")
     spec = mesh["spec"]
-    spec["model"] = {"name": "tiny-deepseek", "source": {"pvc": {"claimName": claim, "path": path}},
-                     "numMoeLayers": 2, "numExperts": 16, "numExpertGroups": 4}  # fmt: skip
+    spec["model"] = {
+        "name": "tiny-deepseek",
+        "source": {"pvc": {"claimName": claim, "path": path}},
+        "numMoeLayers": 2,
+        "numExperts": 16,
+        "numExpertGroups": 4,
+    }
     spec["engine"] = {"dtype": "float32", "maxModelLen": 256}
     spec["prefill"] = {**spec["prefill"], "replicas": 1}
     spec["decode"] = {**spec["decode"], "replicas": 2, "minReplicas": 2, "engine": {"maxNumSeqs": 8}}
@@ -220,15 +237,22 @@ async def test_a_deepseek_v3_mesh_with_expert_pods_from_a_pvc_serves_as_the_offl
     kubelet, workloads = await serve_as_written(emulator, hosts, node, "ds")
     try:
         assert {role: len(kubelet.pods_of(role)) for role in ("router", "prefill", "decode", "expert")} == {
-            "router": 1, "prefill": 1, "decode": 2, "expert": 2}  # fmt: skip
+            "router": 1,
+            "prefill": 1,
+            "decode": 2,
+            "expert": 2,
+        }
         (router,) = kubelet.pods_of("router")
         client = openai.OpenAI(base_url=f"http://{router.ip}:{router.port('http')}/v1", api_key="unused")
         offline = LLM(str(checkpoint), dtype="float32", num_blocks=256, max_model_len=256, show_progress=False)
-        conversations = [[{"role": "user", "content": " ".join(f"w{(7 * i + j) % VOCAB}" for j in range(3 + 2 * i))}]
-                         for i in range(4)]  # fmt: skip
+        conversations = [
+            [{"role": "user", "content": " ".join(f"w{(7 * i + j) % VOCAB}" for j in range(3 + 2 * i))}]
+            for i in range(4)
+        ]
         for messages in conversations:  # the requests spread over both decode pods and the prefill pod
-            reply = await asyncio.to_thread(client.chat.completions.create, model="tiny-deepseek",
-                                            messages=messages, max_tokens=8, temperature=0)  # fmt: skip
+            reply = await asyncio.to_thread(
+                client.chat.completions.create, model="tiny-deepseek", messages=messages, max_tokens=8, temperature=0
+            )
             expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
             assert reply.choices[0].message.content == expected
         scrape_every_pod(kubelet)
@@ -256,9 +280,10 @@ async def test_a_wrong_pvc_path_makes_the_pod_exit_naming_the_source_and_the_mes
         await kubelet.report_exit(pod)
         healthy = await eventually(
             lambda: (lambda c: c if c and c["status"] == "False" else None)(
-                condition(live(emulator, MESHES, NAMESPACE, "bad"), "PodsHealthy")),
+                condition(live(emulator, MESHES, NAMESPACE, "bad"), "PodsHealthy")
+            ),
             message="PodsHealthy=False",
-        )  # fmt: skip
+        )
         assert pod.name in healthy["message"] and "no-such-model" in healthy["message"]
         assert (condition(live(emulator, MESHES, NAMESPACE, "bad"), "Ready") or {}).get("status") != "True"
     finally:

@@ -33,10 +33,12 @@ def prefill_then_decode_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [le
     positions = torch.arange(len(ids))  # [num_tokens]
     slots = table[0, positions // block_size].long() * block_size + positions % block_size  # [num_tokens]
     n = len(ids) - 1
-    prefill = AttentionMetadata(slots[:n], torch.tensor([0, n], dtype=torch.int32),
-                                torch.tensor([n], dtype=torch.int32), table, 0)  # fmt: skip
-    decode = AttentionMetadata(slots[n:], torch.tensor([0, 1], dtype=torch.int32),
-                               torch.tensor([n + 1], dtype=torch.int32), table, 1)  # fmt: skip
+    prefill = AttentionMetadata(
+        slots[:n], torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), table, 0
+    )
+    decode = AttentionMetadata(
+        slots[n:], torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n + 1], dtype=torch.int32), table, 1
+    )
     with torch.inference_mode():
         first = model.compute_logits(model(torch.tensor(ids[:n]), positions[:n], prefill))  # [n, vocab]
         last = model.compute_logits(model(torch.tensor(ids[n:]), positions[n:], decode))  # [1, vocab]

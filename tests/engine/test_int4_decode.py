@@ -30,22 +30,29 @@ def decode_logits(llm: LLM, ids: list[int], num_prompt: int, eager: bool = False
     table = torch.arange(1, -(-len(ids) // block_size) + 1, dtype=torch.int32)[None]  # [1, num_blocks]
     slots = table[0, torch.arange(len(ids)) // block_size].long() * block_size + torch.arange(len(ids)) % block_size
     n = num_prompt
-    prefill = AttentionMetadata(slots[:n], torch.tensor([0, n], dtype=torch.int32),
-                                torch.tensor([n], dtype=torch.int32), table, 0)  # fmt: skip
+    prefill = AttentionMetadata(
+        slots[:n], torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), table, 0
+    )
     rows = []
     with torch.inference_mode():
         hidden = model(torch.tensor(ids[:n]), torch.arange(n), prefill)
         rows.append(model.compute_logits(hidden[-1:]))
         for p in range(n, len(ids) - 1):
-            meta = AttentionMetadata(slots[p : p + 1], torch.tensor([0, 1], dtype=torch.int32),
-                                     torch.tensor([p + 1], dtype=torch.int32), table, 1)  # fmt: skip
+            meta = AttentionMetadata(
+                slots[p : p + 1],
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([p + 1], dtype=torch.int32),
+                table,
+                1,
+            )
             forward = model.model if eager else model
             rows.append(model.compute_logits(forward(torch.tensor(ids[p : p + 1]), torch.tensor([p]), meta)))
     return torch.cat(rows).float()  # [len(ids) - n, vocab]
 
 
-def test_the_c_decode_agrees_with_hf_where_the_margin_exceeds_the_bound(llm, hf_model, prompt_ids, hf_greedy,
-                                                                       monkeypatch):  # fmt: skip
+def test_the_c_decode_agrees_with_hf_where_the_margin_exceeds_the_bound(
+    llm, hf_model, prompt_ids, hf_greedy, monkeypatch
+):
     calls = []
     real = kernels.int4_llama_decode_token
     monkeypatch.setattr(kernels, "int4_llama_decode_token", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -60,15 +67,19 @@ def test_the_c_decode_agrees_with_hf_where_the_margin_exceeds_the_bound(llm, hf_
         safe = (top2[:, 0] - top2[:, 1]) > 2 * BFLOAT16_BOUND * ref.abs().amax(-1)
         agree = ours.argmax(-1) == torch.tensor(greedy)
         assert agree[safe].all()
-        num_safe, num_agree, num_generated = num_safe + int(safe.sum()), num_agree + int(agree.sum()), \
-            num_generated + len(greedy)  # fmt: skip
+        num_safe, num_agree, num_generated = (
+            num_safe + int(safe.sum()),
+            num_agree + int(agree.sum()),
+            num_generated + len(greedy),
+        )
     assert len(calls) == num_generated - 4  # every decode round went through the C call
     assert num_safe > 0 and num_agree >= 0.9 * num_generated
 
 
 @pytest.mark.parametrize("layout", ["blocks", "nibbles"])
-def test_the_float32_c_decode_matches_hf_logits_and_greedy_tokens(smollm_path, hf_model, prompt_ids, hf_greedy,
-                                                                  monkeypatch, layout):  # fmt: skip
+def test_the_float32_c_decode_matches_hf_logits_and_greedy_tokens(
+    smollm_path, hf_model, prompt_ids, hf_greedy, monkeypatch, layout
+):
     """Float32 projections in nibble blocks (where the C kernels have vector loops), or in GGUF's
     own nibble order (the layout elsewhere: forced here by hiding the blocks' kernels)."""
     if layout == "blocks" and kernels.blocks_block_n() is None:
@@ -132,8 +143,13 @@ def test_stacks_the_c_call_does_not_read_run_eager_with_the_reason_logged_once(s
 def test_a_slot_outside_the_cache_is_refused_with_an_error(llm):
     model = llm.engine.model
     model.int4_decode = model.int4_decode or llama_int4_decode.Int4Decode.build(model)
-    meta = AttentionMetadata(torch.tensor([10**9]), torch.tensor([0, 1], dtype=torch.int32),
-                             torch.tensor([1], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32), 1)  # fmt: skip
+    meta = AttentionMetadata(
+        torch.tensor([10**9]),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([[1]], dtype=torch.int32),
+        1,
+    )
     with pytest.raises(IndexError, match="slot"), torch.inference_mode():
         model(torch.tensor([5]), torch.tensor([0]), meta)
 

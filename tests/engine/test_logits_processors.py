@@ -47,11 +47,18 @@ def vllm_reference(logits: torch.Tensor, row: Row) -> torch.Tensor:
 def tensors(rows: list[Row], temperature: float) -> SamplingTensors:
     n = len(rows)
     return SamplingTensors(
-        temperature=torch.full((n,), temperature), top_k=torch.zeros(n, dtype=torch.int64),
-        top_p=torch.ones(n), min_p=torch.zeros(n), generators={}, all_greedy=temperature == 0,
-        need_top_k=False, need_top_p=False, need_min_p=False, max_num_logprobs=-1,
+        temperature=torch.full((n,), temperature),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        top_p=torch.ones(n),
+        min_p=torch.zeros(n),
+        generators={},
+        all_greedy=temperature == 0,
+        need_top_k=False,
+        need_top_p=False,
+        need_min_p=False,
+        max_num_logprobs=-1,
         adjustments=LogitsAdjustments.build(rows, VOCAB, "cpu"),
-    )  # fmt: skip
+    )
 
 
 def random_rows(g: torch.Generator) -> list[Row]:
@@ -72,7 +79,7 @@ def random_rows(g: torch.Generator) -> list[Row]:
             ),
             ids(30) + ids(1),
             30,
-        ),  # fmt: skip
+        ),
         Row(SamplingParams(frequency_penalty=1.0), ids(4), 4),  # no output yet
     ]
 
@@ -141,9 +148,12 @@ def test_stop_strings_count_only_once_min_tokens_are_out(smollm):
 def test_out_of_range_values_are_rejected_naming_the_field(smollm):
     from moemesh.engine.errors import InvalidRequestError
 
-    for kwargs, param in [({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0.0},
-                          "repetition_penalty"), ({"logit_bias": {1: 101.0}}, "logit_bias"),
-                          ({"min_tokens": 20, "max_tokens": 10}, "min_tokens")]:  # fmt: skip
+    for kwargs, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**kwargs)
         assert e.value.param == param
@@ -159,8 +169,13 @@ def test_requests_that_adjust_their_logits_are_not_speculated():
     from moemesh.engine.speculative.decoder import SpecDecoder
 
     spec = SpecDecoder(SpecConfig(method="ngram", scheduling="fixed", num_speculative_tokens=3), 1024, None)
-    kinds = {"plain": {}, "penalty": {"presence_penalty": 0.5}, "bias": {"logit_bias": {5: 1.0}},
-             "min_tokens": {"min_tokens": 2}, "grammar": {"structured_output": StructuredOutputSpec("regex", "[0-9]+")}}  # fmt: skip
+    kinds = {
+        "plain": {},
+        "penalty": {"presence_penalty": 0.5},
+        "bias": {"logit_bias": {5: 1.0}},
+        "min_tokens": {"min_tokens": 2},
+        "grammar": {"structured_output": StructuredOutputSpec("regex", "[0-9]+")},
+    }
     requests = []
     for name, kwargs in kinds.items():
         request = Request(name, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=8, **kwargs))

@@ -169,8 +169,9 @@ def test_a_tall_weight_is_dequantized_and_multiplied_in_chunks_of_bounded_bytes(
     monkeypatch.setattr(quantized_linear, "CHUNK_BYTES", 100 * K * 4)  # under the 256-row floor
     sizes = []
     real = module.dequantize_rows
-    monkeypatch.setattr(module, "dequantize_rows", lambda rows, *a, **k: sizes.append(rows.stop - rows.start)
-                        or real(rows, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        module, "dequantize_rows", lambda rows, *a, **k: sizes.append(rows.stop - rows.start) or real(rows, *a, **k)
+    )
     x = torch.randn(GEMV_MAX_M + 4, K, generator=torch.Generator().manual_seed(3)).to(dtype)
     y, w = module(x), reference(data, "Q8_0")
     assert sizes == [256, 256, 88] and y.shape == (GEMV_MAX_M + 4, 600)
@@ -251,8 +252,9 @@ def test_float32_four_bit_rounds_run_the_blocks_gemv_then_the_blocks_gemm(qtype,
     calls = []
     for name in ("blocks_gemv", "blocks_gemm"):
         real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda x, *a, real=real, name=name, **k:
-                            calls.append((name, x.shape[0])) or real(x, *a, **k))  # fmt: skip
+        monkeypatch.setattr(
+            kernels, name, lambda x, *a, real=real, name=name, **k: calls.append((name, x.shape[0])) or real(x, *a, **k)
+        )
     w = reference(data, qtype)
     rows = (1, quantized_linear.BLOCKS_GEMV_MAX_M, quantized_linear.BLOCKS_GEMV_MAX_M + 1, GEMV_MAX_M + 1, 40)
     for m in rows:

@@ -59,8 +59,9 @@ def test_streamed_deltas_add_up_to_the_final_text(smollm):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_logprobs_are_hugging_faces_log_softmax_at_every_generated_position(smollm, hf_model, hf_tokenizer,
-                                                                             temperature):  # fmt: skip
+def test_logprobs_are_hugging_faces_log_softmax_at_every_generated_position(
+    smollm, hf_model, hf_tokenizer, temperature
+):
     """The returned logprob of each generated token and the top-n of its position equal
     log_softmax of Hugging Face's logits over the prompt plus the tokens generated before it
     (with temperature 1 too: logprobs are of the model, not of the sampling distribution)."""

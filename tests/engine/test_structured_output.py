@@ -34,10 +34,16 @@ def test_grammar_rows_batched_with_free_rows_leave_the_free_rows_unchanged(smoll
     free = SamplingParams(temperature=0.0, max_tokens=8)
     alone = smollm.generate(prompt, free)[0].token_ids
     constrained = [
-        SamplingParams(temperature=0.0, max_tokens=12, structured_output=StructuredOutputSpec("json", json.dumps(SCHEMA))),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=8, structured_output=StructuredOutputSpec("regex", "[0-9]{2}")),
-        SamplingParams(temperature=0.0, max_tokens=8, structured_output=StructuredOutputSpec("choice", choices=("six", "eight"))),
-    ]  # fmt: skip
+        SamplingParams(
+            temperature=0.0, max_tokens=12, structured_output=StructuredOutputSpec("json", json.dumps(SCHEMA))
+        ),
+        SamplingParams(
+            temperature=0.8, seed=3, max_tokens=8, structured_output=StructuredOutputSpec("regex", "[0-9]{2}")
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=8, structured_output=StructuredOutputSpec("choice", choices=("six", "eight"))
+        ),
+    ]
     outs = smollm.generate([prompt] * 4, [*constrained, free])
     jsonschema.validate(json.loads(outs[0].text), SCHEMA)
     assert re.fullmatch("[0-9]{2}", outs[1].text) and outs[2].text in ("six", "eight")
@@ -46,8 +52,11 @@ def test_grammar_rows_batched_with_free_rows_leave_the_free_rows_unchanged(smoll
 
 
 def test_a_bad_constraint_is_rejected_before_it_is_queued(smollm):
-    for spec in [StructuredOutputSpec("regex", "(a"), StructuredOutputSpec("json", "{not json"),
-                 StructuredOutputSpec("grammar", "root ::= undefined_rule")]:  # fmt: skip
+    for spec in [
+        StructuredOutputSpec("regex", "(a"),
+        StructuredOutputSpec("json", "{not json"),
+        StructuredOutputSpec("grammar", "root ::= undefined_rule"),
+    ]:
         with pytest.raises(InvalidRequestError) as e:
             smollm.generate("Hi", SamplingParams(structured_output=spec))
         assert e.value.param == spec.param

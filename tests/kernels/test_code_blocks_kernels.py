@@ -15,8 +15,9 @@ from moemesh.kernels import group_quant
 BUILDS = ("native", "avx2", "scalar")
 
 
-def _weight(n: int, k: int, group: int, scale_dtype: torch.dtype, with_mins: bool, block_n: int, seed: int = 0,
-            bits: int = 4):  # fmt: skip
+def _weight(
+    n: int, k: int, group: int, scale_dtype: torch.dtype, with_mins: bool, block_n: int, seed: int = 0, bits: int = 4
+):
     """(packed, scale [G, N], mins [G, N] or None, W [N, K] float64) built from random codes."""
     gen = torch.Generator().manual_seed(seed)
     if bits == 8:
@@ -63,8 +64,9 @@ CASES = [  # bits, K, group, scale dtype, mins
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 @pytest.mark.parametrize("bits,k,group,scale_dtype,with_mins", CASES)
-def test_gemv_and_gemm_match_the_float64_product_within_float32_rounding(build, block_n, bits, k, group, scale_dtype,
-                                                                         with_mins):  # fmt: skip
+def test_gemv_and_gemm_match_the_float64_product_within_float32_rounding(
+    build, block_n, bits, k, group, scale_dtype, with_mins
+):
     lib = _library(build)
     packed, scale, mins, w = _weight(128, k, group, scale_dtype, with_mins, block_n, bits=bits)
     # the GEMM: partial tiles of 6 (AVX-512) or 3 (AVX2) rows, and K past one 128-column slice
@@ -118,10 +120,20 @@ def test_two_threads_give_the_bits_of_one(bits):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append((gg.blocks_gemv(x, packed, scale, mins, block_n, lib=lib),
-                         gg.blocks_gemm(torch.randn(40, 576, generator=torch.Generator().manual_seed(0)), packed,
-                                               scale, mins, block_n, lib=lib),
-                         gg.blocks_gather(packed, scale, mins, block_n, torch.arange(200), lib=lib)))  # fmt: skip
+            outs.append(
+                (
+                    gg.blocks_gemv(x, packed, scale, mins, block_n, lib=lib),
+                    gg.blocks_gemm(
+                        torch.randn(40, 576, generator=torch.Generator().manual_seed(0)),
+                        packed,
+                        scale,
+                        mins,
+                        block_n,
+                        lib=lib,
+                    ),
+                    gg.blocks_gather(packed, scale, mins, block_n, torch.arange(200), lib=lib),
+                )
+            )
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -186,16 +186,38 @@ def test_prefill_attention_refuses_offsets_and_blocks_outside_the_cache():
     q = torch.randn(3, 9, 64)
     good = dict(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32), context_lens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(IndexError, match="block id"):
-        cpu_ops.paged_prefill_attention(q, k_cache, k_cache.clone(), good["cu_seqlens_q"], good["context_lens"],
-                                        torch.tensor([[4]], dtype=torch.int32), 0.125, lib=lib)  # fmt: skip
+        cpu_ops.paged_prefill_attention(
+            q,
+            k_cache,
+            k_cache.clone(),
+            good["cu_seqlens_q"],
+            good["context_lens"],
+            torch.tensor([[4]], dtype=torch.int32),
+            0.125,
+            lib=lib,
+        )
     with pytest.raises(IndexError, match="query offset"):  # more new tokens than the context holds
-        cpu_ops.paged_prefill_attention(q, k_cache, k_cache.clone(), good["cu_seqlens_q"],
-                                        torch.tensor([2], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
-                                        0.125, lib=lib)  # fmt: skip
+        cpu_ops.paged_prefill_attention(
+            q,
+            k_cache,
+            k_cache.clone(),
+            good["cu_seqlens_q"],
+            torch.tensor([2], dtype=torch.int32),
+            torch.tensor([[1]], dtype=torch.int32),
+            0.125,
+            lib=lib,
+        )
     with pytest.raises(IndexError, match="offsets past"):
-        cpu_ops.paged_prefill_attention(q, k_cache, k_cache.clone(), torch.tensor([0, 4], dtype=torch.int32),
-                                        torch.tensor([4], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
-                                        0.125, lib=lib)  # fmt: skip
+        cpu_ops.paged_prefill_attention(
+            q,
+            k_cache,
+            k_cache.clone(),
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([4], dtype=torch.int32),
+            torch.tensor([[1]], dtype=torch.int32),
+            0.125,
+            lib=lib,
+        )
 
 
 def test_dispatch_takes_the_c_prefill_for_short_prompts_and_the_reference_for_long(monkeypatch):
@@ -230,8 +252,15 @@ def test_decode_attention_refuses_a_block_outside_the_cache():
     k_cache = torch.randn(4, 16, 3, 64)
     tables = torch.tensor([[1, 4]], dtype=torch.int32)
     with pytest.raises(IndexError, match="block id"):
-        cpu_ops.paged_decode_attention(torch.randn(1, 9, 64), k_cache, k_cache.clone(), tables,
-                                       torch.tensor([20], dtype=torch.int32), 0.125, lib=lib)  # fmt: skip
+        cpu_ops.paged_decode_attention(
+            torch.randn(1, 9, 64),
+            k_cache,
+            k_cache.clone(),
+            tables,
+            torch.tensor([20], dtype=torch.int32),
+            0.125,
+            lib=lib,
+        )
 
 
 def test_dispatch_runs_the_c_ops_on_the_cpu_tensors_they_read_and_the_reference_otherwise(monkeypatch):
@@ -267,6 +296,10 @@ def test_without_a_compiler_every_op_runs_the_torch_reference(monkeypatch):
     ref_out, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-6)
     assert torch.equal(out, ref_out) and torch.equal(summed, ref_summed)
     q, k, cos_sin, positions = _rope_inputs(torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(dispatch.rotary_embedding(positions, q, k, cos_sin),
-                                                 rotary_embedding_ref(positions, q, k, cos_sin)))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            dispatch.rotary_embedding(positions, q, k, cos_sin), rotary_embedding_ref(positions, q, k, cos_sin)
+        )
+    )
     assert not torch.isnan(dispatch.rms_norm(nan_like(x).nan_to_num(1.0), weight, 1e-6)).any()

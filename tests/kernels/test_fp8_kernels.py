@@ -379,9 +379,11 @@ def test_fp8_kernels_compile_for_sm90_at_deepseek_v3_sizes(monkeypatch, tmp_path
             empty(m, hidden), empty(2 * inter, hidden, dtype=FP8_DTYPE), empty(32, 56, dtype=torch.float32)
         )
     moe_weights = (
-        empty(experts, 2 * inter, hidden, dtype=FP8_DTYPE), empty(experts, 32, 56, dtype=torch.float32),
-        empty(experts, hidden, inter, dtype=FP8_DTYPE), empty(experts, 56, 16, dtype=torch.float32),
-    )  # fmt: skip
+        empty(experts, 2 * inter, hidden, dtype=FP8_DTYPE),
+        empty(experts, 32, 56, dtype=torch.float32),
+        empty(experts, hidden, inter, dtype=FP8_DTYPE),
+        empty(experts, 56, 16, dtype=torch.float32),
+    )
     for t in (16, 4096):
         fp8_fused_moe_triton(
             empty(t, hidden), *moe_weights, empty(t, top_k, dtype=torch.float32), empty(t, top_k, dtype=torch.int64)

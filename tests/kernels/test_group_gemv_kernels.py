@@ -64,8 +64,12 @@ def test_bfloat16_input_is_read_as_its_float32_value():
     lib = _library("native")
     codes, scale, mins, w = _weight("nibbles", 576, 32, torch.float16, True)
     x = torch.randn(2, 576).bfloat16()
-    torch.testing.assert_close(gg.group_gemv(x, codes, scale, mins, lib=lib), gg.group_gemv(x.float(), codes, scale,
-                               mins, lib=lib), rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        gg.group_gemv(x, codes, scale, mins, lib=lib),
+        gg.group_gemv(x.float(), codes, scale, mins, lib=lib),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_nibble_layout_round_trips_and_follows_ggufs_order():
@@ -86,8 +90,12 @@ def test_bad_shapes_and_dtypes_are_refused_with_a_message():
         gg.group_gemv(torch.randn(1, 64), codes, scale.T.contiguous().T, mins, lib=lib)
     int8_codes, s, _, _ = _weight("int8", 64, 16, torch.float32, False)
     with pytest.raises(ValueError, match="unsupported"):  # nibbles need groups of 32
-        gg.group_gemv(torch.randn(1, 64), group_quant.nibbles_from_codes(int8_codes.abs().clamp(max=15).to(torch.uint8)), s,
-                      lib=lib)  # fmt: skip
+        gg.group_gemv(
+            torch.randn(1, 64),
+            group_quant.nibbles_from_codes(int8_codes.abs().clamp(max=15).to(torch.uint8)),
+            s,
+            lib=lib,
+        )
 
 
 @pytest.mark.parametrize("broken", ["compiler", "cache_dir"])

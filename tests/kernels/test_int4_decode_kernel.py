@@ -53,8 +53,9 @@ def _projection(layout: str, n: int, k: int, seed: int):
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-@pytest.mark.parametrize("layout", ["int4pack-32", "int4pack-64", "nibbles", "blocks-32", "blocks-64",
-                                    "blocks-64-bf16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout", ["int4pack-32", "int4pack-64", "nibbles", "blocks-32", "blocks-64", "blocks-64-bf16"]
+)
 def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
     lib = _library(build)
     exact = not layout.startswith("int4pack")  # GGUF's exact scales
@@ -62,8 +63,12 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
     layout = layout.removesuffix("-bf16")
     gen = torch.Generator().manual_seed(5)
     q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    shapes = {"qkv": (q_size + 2 * kv_size, HIDDEN), "o": (HIDDEN, q_size), "gate_up": (2 * INTER, HIDDEN),
-              "down": (HIDDEN, INTER)}  # fmt: skip
+    shapes = {
+        "qkv": (q_size + 2 * kv_size, HIDDEN),
+        "o": (HIDDEN, q_size),
+        "gate_up": (2 * INTER, HIDDEN),
+        "down": (HIDDEN, INTER),
+    }
     position, context = 9, 10  # the token at position 9 sees 9 cached tokens and itself
     table = torch.tensor([3, 0, 5], dtype=torch.int32)  # positions 0-3 in block 3, 4-7 in 0, 8-11 in 5
     slot = int(table[position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
@@ -79,8 +84,9 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
             setattr(entry, f"{name}_min", None if mins is None else mins.data_ptr())
             weights[name] = w
         norms = [(torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype) for _ in range(2)]
-        caches = [(torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) * 0.5).to(dtype)
-                  for _ in range(2)]  # fmt: skip
+        caches = [
+            (torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen) * 0.5).to(dtype) for _ in range(2)
+        ]
         keep += norms + caches
         entry.input_norm, entry.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
         entry.k_cache, entry.v_cache = caches[0].data_ptr(), caches[1].data_ptr()
@@ -146,8 +152,9 @@ def test_one_token_through_two_layers_matches_a_float64_forward(build, layout):
             torch.cat((flat_k[:slot], flat_k[slot + 1 :])), torch.cat((flat_ref[:slot], flat_ref[slot + 1 :]))
         )
         assert (flat_k[slot] - flat_ref[slot]).abs().max() <= tol * flat_ref[slot].abs().max()
-        assert (v_cache.view(-1, HEAD_DIM)[slot].double() - v_ref.view(-1, HEAD_DIM)[slot].double()).abs().max() <= \
-            tol * v_ref.view(-1, HEAD_DIM)[slot].double().abs().max()  # fmt: skip
+        assert (
+            v_cache.view(-1, HEAD_DIM)[slot].double() - v_ref.view(-1, HEAD_DIM)[slot].double()
+        ).abs().max() <= tol * v_ref.view(-1, HEAD_DIM)[slot].double().abs().max()
 
 
 def test_a_block_outside_the_cache_is_refused_before_anything_is_written():

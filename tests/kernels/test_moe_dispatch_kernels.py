@@ -49,8 +49,9 @@ def test_plan_matches_the_round_robin_rule_and_a_per_worker_brute_force(seed):
     log2phy, counts, owner = random_layer(rng, num_experts, num_workers, identity=seed % 3 == 0)
     ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_tokens)])
     weights = torch.from_numpy(rng.random((num_tokens, top_k), dtype=np.float32))
-    plan = moe_dispatch.plan_dispatch(lib, moe_dispatch.LayerTables.build(log2phy, counts, owner),
-                                      torch.from_numpy(ids), weights)  # fmt: skip
+    plan = moe_dispatch.plan_dispatch(
+        lib, moe_dispatch.LayerTables.build(log2phy, counts, owner), torch.from_numpy(ids), weights
+    )
 
     flat = round_robin(ids, log2phy, counts)
     n = flat.size
@@ -91,8 +92,12 @@ def test_plan_refuses_ids_the_placement_has_no_replica_of():
 def test_plan_refuses_tensors_it_cannot_read():
     tables = moe_dispatch.LayerTables.build(None, np.ones(4), np.zeros(4))
     ids = torch.tensor([[0, 1], [2, 3]])
-    for bad_ids, bad_weights in ((ids.int(), torch.ones(2, 2)), (ids, torch.ones(2, 2, dtype=torch.bfloat16)),
-                                 (ids.t(), torch.ones(2, 2)), (ids, torch.ones(2, 3))):  # fmt: skip
+    for bad_ids, bad_weights in (
+        (ids.int(), torch.ones(2, 2)),
+        (ids, torch.ones(2, 2, dtype=torch.bfloat16)),
+        (ids.t(), torch.ones(2, 2)),
+        (ids, torch.ones(2, 3)),
+    ):
         with pytest.raises(TypeError, match="contiguous CPU int64 ids and float32 weights"):
             moe_dispatch.plan_dispatch(lib, tables, bad_ids, bad_weights)
 
@@ -110,8 +115,9 @@ PHY2LOG = np.array([10, 11, 12, 13, 14])
 
 def check(slots, experts, sizes, row_ids, num_rows=4):
     i32 = lambda v: np.array(v, dtype=np.int32)  # noqa: E731
-    return moe_dispatch.check_groups(lib, i32(slots), i32(experts), i32(sizes), i32(row_ids), num_rows, LOCAL_INDEX,
-                                     PHY2LOG)  # fmt: skip
+    return moe_dispatch.check_groups(
+        lib, i32(slots), i32(experts), i32(sizes), i32(row_ids), num_rows, LOCAL_INDEX, PHY2LOG
+    )
 
 
 def test_check_groups_returns_the_local_replicas_and_int64_rows():

@@ -22,13 +22,28 @@ SOURCE_ERROR = "moemesh: error: pvc 'models' path 'no-such-model' does not exist
 
 def container(name, state, *, last_state=None, ready=False, restarts=0):
     """One entry of status.containerStatuses / initContainerStatuses, as the kubelet writes it."""
-    return {"name": name, "image": IMAGE, "imageID": "", "ready": ready, "restartCount": restarts,
-            "started": "running" in state, "state": state, "lastState": last_state or {}}  # fmt: skip
+    return {
+        "name": name,
+        "image": IMAGE,
+        "imageID": "",
+        "ready": ready,
+        "restartCount": restarts,
+        "started": "running" in state,
+        "state": state,
+        "lastState": last_state or {},
+    }
 
 
 def exited(code, message, reason="Error"):
-    return {"terminated": {"exitCode": code, "reason": reason, "message": message,
-                           "startedAt": "2025-01-01T00:00:00Z", "finishedAt": "2025-01-01T00:00:05Z"}}  # fmt: skip
+    return {
+        "terminated": {
+            "exitCode": code,
+            "reason": reason,
+            "message": message,
+            "startedAt": "2025-01-01T00:00:00Z",
+            "finishedAt": "2025-01-01T00:00:05Z",
+        }
+    }
 
 
 RUNNING = {"running": {"startedAt": "2025-01-01T00:01:00Z"}}
@@ -95,8 +110,12 @@ def test_an_image_that_cannot_be_pulled_reports_the_waiting_reason_and_message()
 
 def test_several_failed_pods_name_the_first_by_name_and_count_the_rest():
     crashed = [container("decode", exited(1, f"{SOURCE_ERROR}\n"))]
-    pods = [pod("m1-decode-c", crashed), pod("m1-decode-a", crashed),
-            pod("m1-decode-b", [container("decode", RUNNING, ready=True)]), pod("m1-decode-d", crashed)]  # fmt: skip
+    pods = [
+        pod("m1-decode-c", crashed),
+        pod("m1-decode-a", crashed),
+        pod("m1-decode-b", [container("decode", RUNNING, ready=True)]),
+        pod("m1-decode-d", crashed),
+    ]
     assert pods_health(pods).message == f"m1-decode-a/decode exited 1: {SOURCE_ERROR} (and 2 more failed pods)"
     assert pods_health(pods[:2]).message.endswith(" (and 1 more failed pod)")
 
@@ -132,8 +151,9 @@ def test_a_stale_reconcile_keeps_the_ticks_pods_healthy():
     stale = []  # what the reconcile read: the status before the tick's patch landed
     tick = set_condition(stale, "PodsHealthy", False, "ContainerFailed", "m1-decode-0/decode exited 1: boom")
     _record_owned(memo, tick, TIMER_CONDITIONS)
-    written_by_reconcile = _record_owned(memo, set_condition(stale, "SpecValid", True, "Valid", "ok"),
-                                         RECONCILE_CONDITIONS)  # fmt: skip
+    written_by_reconcile = _record_owned(
+        memo, set_condition(stale, "SpecValid", True, "Valid", "ok"), RECONCILE_CONDITIONS
+    )
     assert {c["type"]: c["status"] for c in written_by_reconcile} == {"SpecValid": "True", "PodsHealthy": "False"}
 
 
@@ -165,8 +185,9 @@ async def test_a_deleted_service_and_deployment_come_back_as_they_were(kmock, op
     before = {key: copy.deepcopy(live(kmock, *key)) for key in CHILDREN}
     # the Service first: only the watch brings it back (the timer re-applies when a workload is missing)
     await delete_and_wait_for_return(kmock, "v1/services", "/api/v1/namespaces/ns1/services", "m1-router")
-    await delete_and_wait_for_return(kmock, "apps/v1/deployments", "/apis/apps/v1/namespaces/ns1/deployments",
-                                     "m1-decode")  # fmt: skip
+    await delete_and_wait_for_return(
+        kmock, "apps/v1/deployments", "/apis/apps/v1/namespaces/ns1/deployments", "m1-decode"
+    )
     for key in (("v1/services", "m1-router"), ("apps/v1/deployments", "m1-decode")):
         again = live(kmock, *key)
         assert again["spec"] == before[key]["spec"]
@@ -203,24 +224,44 @@ async def test_a_pod_that_cannot_start_makes_pods_healthy_false_until_it_serves(
     crashed = pod("m1-decode-7d9f-abcde", [container("decode", waiting("PodInitializing"))], phase="Pending")
     response = await kmock.post(PODS_URL, json=crashed)
     assert response.status < 300, await response.text()
-    failed = {"status": {"phase": "Running", "containerStatuses": [
-        container("decode", waiting("CrashLoopBackOff", "back-off 10s restarting failed container"),
-                  last_state=exited(2, f"{SOURCE_ERROR}\n"), restarts=1)]}}  # fmt: skip
+    failed = {
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                container(
+                    "decode",
+                    waiting("CrashLoopBackOff", "back-off 10s restarting failed container"),
+                    last_state=exited(2, f"{SOURCE_ERROR}\n"),
+                    restarts=1,
+                )
+            ],
+        }
+    }
     response = await kmock.patch(f"{PODS_URL}/m1-decode-7d9f-abcde/status", json=failed)
     assert response.status < 300, await response.text()
-    unhealthy = await eventually(lambda: (condition(kmock, "PodsHealthy") or {}).get("status") == "False"
-                                 and condition(kmock, "PodsHealthy"), message="PodsHealthy=False")  # fmt: skip
+    unhealthy = await eventually(
+        lambda: (condition(kmock, "PodsHealthy") or {}).get("status") == "False" and condition(kmock, "PodsHealthy"),
+        message="PodsHealthy=False",
+    )
     assert unhealthy["reason"] == "ContainerFailed"
     assert unhealthy["message"] == f"m1-decode-7d9f-abcde/decode exited 2: {SOURCE_ERROR}"
     ready = condition(kmock, "Ready")
     assert ready["status"] == "False" and f"pods failing: {unhealthy['message']}" in ready["message"]
 
-    serving = {"status": {"phase": "Running", "containerStatuses": [
-        container("decode", RUNNING, last_state=exited(2, f"{SOURCE_ERROR}\n"), ready=True, restarts=2)]}}  # fmt: skip
+    serving = {
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                container("decode", RUNNING, last_state=exited(2, f"{SOURCE_ERROR}\n"), ready=True, restarts=2)
+            ],
+        }
+    }
     response = await kmock.patch(f"{PODS_URL}/m1-decode-7d9f-abcde/status", json=serving)
     assert response.status < 300, await response.text()
-    healthy = await eventually(lambda: (condition(kmock, "PodsHealthy") or {}).get("status") == "True"
-                               and condition(kmock, "PodsHealthy"), message="PodsHealthy=True")  # fmt: skip
+    healthy = await eventually(
+        lambda: (condition(kmock, "PodsHealthy") or {}).get("status") == "True" and condition(kmock, "PodsHealthy"),
+        message="PodsHealthy=True",
+    )
     assert healthy["reason"] == "NoFailures"
     assert "pods failing" not in condition(kmock, "Ready")["message"]
 
@@ -242,8 +283,15 @@ async def test_a_pod_of_another_mesh_is_not_this_meshs_failure(kmock, operator):
 
 @pytest.mark.asyncio
 async def test_forbidden_pod_listing_leaves_pods_healthy_unknown_and_the_tick_running(kmock, operator, caplog):
-    forbidden = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Forbidden",
-                 "code": 403, "message": 'pods is forbidden: User "system:serviceaccount:moemesh:op" cannot list'}  # fmt: skip
+    forbidden = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "reason": "Forbidden",
+        "code": 403,
+        "message": 'pods is forbidden: User "system:serviceaccount:moemesh:op" cannot list',
+    }
     kmock["list", kmock_lib.resource("v1/pods")] << 403 << forbidden
     await create(kmock, mesh_body())
     unknown = await eventually(lambda: condition(kmock, "PodsHealthy"), message="PodsHealthy")

@@ -31,12 +31,23 @@ def scaling_mesh(replicas: int, redundant_slots: int, min_replicas: int = 2, max
     body = copy.deepcopy(BASE)
     body["spec"]["expert"] = {"replicas": replicas, "minReplicas": min_replicas, "maxReplicas": max_replicas}
     # the EPLB step only publishes layout changes here (a 99 % improvement is never reached)
-    body["spec"]["eplb"] = {"enabled": True, "redundantSlots": redundant_slots, "intervalSeconds": 1e6,
-                            "imbalanceThreshold": 0.99}  # fmt: skip
-    body["spec"]["autoscaling"] = {"expert": {
-        "enabled": True, "targetTokensPerSecond": 1000, "scaleDownWindowSeconds": 60,
-        "scaleUpPeriodSeconds": 10, "scaleDownPeriodSeconds": 30, "maxStepUp": 2, "maxStepDown": 1,
-    }}  # fmt: skip
+    body["spec"]["eplb"] = {
+        "enabled": True,
+        "redundantSlots": redundant_slots,
+        "intervalSeconds": 1e6,
+        "imbalanceThreshold": 0.99,
+    }
+    body["spec"]["autoscaling"] = {
+        "expert": {
+            "enabled": True,
+            "targetTokensPerSecond": 1000,
+            "scaleDownWindowSeconds": 60,
+            "scaleUpPeriodSeconds": 10,
+            "scaleDownPeriodSeconds": 30,
+            "maxStepUp": 2,
+            "maxStepDown": 1,
+        }
+    }
     return body
 
 
@@ -82,15 +93,21 @@ class ExpertPods:
                 if placement is None or version in held:
                     continue
                 slots = placement.slots_of(worker_id) if worker_id in placement.worker_ids else []
-                held[version] = len({(layer, int(e)) for layer in range(NUM_LAYERS)
-                                     for e in placement.phy2log[layer, slots]})  # fmt: skip
+                held[version] = len(
+                    {(layer, int(e)) for layer in range(NUM_LAYERS) for e in placement.phy2log[layer, slots]}
+                )
                 if version > current and worker_id in placement.worker_ids:
                     self.store.mark_ready(worker_id, version)
             if self.release:
                 for version in [v for v in held if v not in (current, latest)]:
                     del held[version]
-            record = WorkerRecord(worker_id=worker_id, role="expert", endpoint=f"{worker_id}:50051", model="tiny-moe",
-                                  num_experts_held=sum(held.values()))  # fmt: skip
+            record = WorkerRecord(
+                worker_id=worker_id,
+                role="expert",
+                endpoint=f"{worker_id}:50051",
+                model="tiny-moe",
+                num_experts_held=sum(held.values()),
+            )
             heartbeat(self.client, MESH, record)
         publish_expert_load(self.client, MESH, "m1-expert-0", self.counts, window_s=WINDOW_S)
 
@@ -119,8 +136,10 @@ async def seen(kmock, pods, tokens_per_second: float, shape=UNIFORM) -> None:
     """Publish a load window and wait until a tick of the operator read it."""
     pods.counts = np.rint(shape * tokens_per_second * WINDOW_S).astype(np.int64)
     published = round(float(pods.counts.sum()) / WINDOW_S, 1)
-    await eventually(lambda: scaling_status(kmock).get("routedTokensPerSecond") == published,
-                     message=f"a tick that saw {published} tokens/s")  # fmt: skip
+    await eventually(
+        lambda: scaling_status(kmock).get("routedTokensPerSecond") == published,
+        message=f"a tick that saw {published} tokens/s",
+    )
 
 
 async def active_placement(kmock, store, num_workers: int):
@@ -153,8 +172,10 @@ async def test_load_grows_the_statefulset_then_the_placement_spreads_over_the_ne
     assert counts[0, 0] > counts[0, 1] and counts[1, 7] > counts[1, 6]  # planned from the load it saw
     assert (counts >= 1).all() and (counts.sum(axis=1) == 16).all()
     await eventually(lambda: pods.replica_history == [2, 4], message="the pods saw 2, 4")
-    assert (scaling_status(kmock)["placementWorkers"], live(kmock, "apps/v1/statefulsets", "m1-expert")
-            ["spec"]["replicas"]) == (4, 4)  # fmt: skip
+    assert (
+        scaling_status(kmock)["placementWorkers"],
+        live(kmock, "apps/v1/statefulsets", "m1-expert")["spec"]["replicas"],
+    ) == (4, 4)
 
 
 async def test_scale_down_moves_replicas_off_the_last_pods_and_waits_for_their_release(kmock, operator, pods):

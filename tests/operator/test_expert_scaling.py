@@ -23,9 +23,18 @@ from moemesh.operator.expert_scaling import (
 from moemesh.operator.spec import SpecError, parse_spec
 
 NUM_EXPERTS = 16
-POLICY = ExpertScalingPolicy(min_workers=1, max_workers=8, slots_per_worker=8, target_tokens_per_second=1000.0,
-                             scale_up_window_s=0, scale_down_window_s=60, max_step_up=2, max_step_down=1,
-                             scale_up_period_s=10, scale_down_period_s=30)  # fmt: skip
+POLICY = ExpertScalingPolicy(
+    min_workers=1,
+    max_workers=8,
+    slots_per_worker=8,
+    target_tokens_per_second=1000.0,
+    scale_up_window_s=0,
+    scale_down_window_s=60,
+    max_step_up=2,
+    max_step_down=1,
+    scale_up_period_s=10,
+    scale_down_period_s=30,
+)
 
 
 def test_memory_sets_the_floor_and_load_the_rest():
@@ -82,11 +91,18 @@ class FakeMesh:
 def run(mesh: FakeMesh, load, until: float, step: float = 1.0) -> list:
     state, now, actions = AutoscalerState(), 0.0, []
     while now <= until:
-        telemetry = ExpertTelemetry(num_ready=mesh.registered, num_pending=mesh.replicas - mesh.registered,
-                                    tokens_per_second=load(now))  # fmt: skip
+        telemetry = ExpertTelemetry(
+            num_ready=mesh.registered, num_pending=mesh.replicas - mesh.registered, tokens_per_second=load(now)
+        )
         desired, state = decide_expert_workers(state, now, mesh.replicas, telemetry, POLICY, NUM_EXPERTS)
-        action = next_action(mesh.replicas, desired, mesh.registered, mesh.active_workers, mesh.pending_workers,
-                             mesh.drained(now, desired))  # fmt: skip
+        action = next_action(
+            mesh.replicas,
+            desired,
+            mesh.registered,
+            mesh.active_workers,
+            mesh.pending_workers,
+            mesh.drained(now, desired),
+        )
         if isinstance(action, ScaleTo):
             state = applied(state, now, mesh.replicas, action.num_workers)
         mesh.tick(now, action)
@@ -160,7 +176,7 @@ def test_each_pod_keeps_the_slots_the_spec_gives_it_and_memory_sets_the_floor():
         (
             {"eplb": {"redundantSlots": 4, "numNodes": 2}, "expert": {"replicas": 2, "maxReplicas": 5}},
             "max_workers=5 must be multiples of the 2 nodes",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_expert_autoscaling_that_cannot_work_is_a_spec_error(changes, message):
@@ -169,8 +185,15 @@ def test_expert_autoscaling_that_cannot_work_is_a_spec_error(changes, message):
 
 
 def test_whole_nodes_round_every_recommendation_up():
-    policy = ExpertScalingPolicy(min_workers=2, max_workers=8, slots_per_worker=4, target_tokens_per_second=100.0,
-                                 worker_multiple=2, max_step_up=4, max_step_down=2)  # fmt: skip
+    policy = ExpertScalingPolicy(
+        min_workers=2,
+        max_workers=8,
+        slots_per_worker=4,
+        target_tokens_per_second=100.0,
+        worker_multiple=2,
+        max_step_up=4,
+        max_step_down=2,
+    )
     busy = ExpertTelemetry(num_ready=2, num_pending=0, tokens_per_second=250.0)  # 2.5 workers' worth
     desired, _ = decide_expert_workers(AutoscalerState(), 0.0, 2, busy, policy, num_experts=8)
     assert desired == 4

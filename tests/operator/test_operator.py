@@ -120,8 +120,10 @@ async def test_created_mesh_gets_every_child_owned_and_valid(kmock, operator):
     assert container["startupProbe"]["grpc"] == {"port": 50051, "service": "liveness"}  # alive, not ready
     assert container["readinessProbe"]["grpc"] == {"port": 50051}
     assert live(kmock, "apps/v1/statefulsets", "m1-expert")["spec"]["replicas"] == 2
-    not_ready = await eventually(lambda: (condition(kmock, "Ready") or {}).get("reason") == "PodsNotReady"
-                                 and condition(kmock, "Ready"), message="Ready=False until pods are ready")  # fmt: skip
+    not_ready = await eventually(
+        lambda: (condition(kmock, "Ready") or {}).get("reason") == "PodsNotReady" and condition(kmock, "Ready"),
+        message="Ready=False until pods are ready",
+    )
     assert not_ready["status"] == "False" and "decode 0/1" in not_ready["message"]
     for resource, kind in (
         ("deployments", "router"),
@@ -130,8 +132,10 @@ async def test_created_mesh_gets_every_child_owned_and_valid(kmock, operator):
         ("statefulsets", "expert"),
     ):  # what the workload controllers report
         replicas = live(kmock, f"apps/v1/{resource}", f"m1-{kind}")["spec"]["replicas"]
-        response = await kmock.patch(f"/apis/apps/v1/namespaces/ns1/{resource}/m1-{kind}/status",
-                                     json={"status": {"replicas": replicas, "readyReplicas": replicas}})  # fmt: skip
+        response = await kmock.patch(
+            f"/apis/apps/v1/namespaces/ns1/{resource}/m1-{kind}/status",
+            json={"status": {"replicas": replicas, "readyReplicas": replicas}},
+        )
         assert response.status < 300
     await eventually(lambda: (condition(kmock, "Ready") or {}).get("status") == "True", message="Ready")
     assert status(kmock)["observedGeneration"] == 1
@@ -166,8 +170,14 @@ async def test_invalid_spec_sets_a_condition_and_creates_nothing(kmock, operator
 async def test_expert_pods_too_small_for_every_replica_get_a_condition_and_nothing_is_scheduled(kmock, operator):
     """DeepSeek-V3 (FP8) on 141 GiB pods: 256 experts + 32 redundant need 6 expert pods; 4 are refused
     with the memory plan's reason, and raising spec.expert.replicas to 6 lets the mesh be applied."""
-    model = {**BASE["spec"]["model"], "numMoeLayers": 58, "numExperts": 256, "numExpertGroups": 8,
-             "config": DEEPSEEK_V3, "gpuMemory": "141GiB"}  # fmt: skip
+    model = {
+        **BASE["spec"]["model"],
+        "numMoeLayers": 58,
+        "numExperts": 256,
+        "numExpertGroups": 8,
+        "config": DEEPSEEK_V3,
+        "gpuMemory": "141GiB",
+    }
     eplb = {"enabled": False, "redundantSlots": 32}
     await create(kmock, mesh_body(model=model, expert={"replicas": 4}, eplb=eplb))
     spec_valid = await eventually(lambda: condition(kmock, "SpecValid"), message="SpecValid")
@@ -177,8 +187,9 @@ async def test_expert_pods_too_small_for_every_replica_get_a_condition_and_nothi
     assert condition(kmock, "Ready")["reason"] == "ExpertPodsTooFew"
     assert not any(live(kmock, r, n) for r, n in CHILDREN)
 
-    response = await kmock.patch(f"{MESHES_URL}/m1", json={"metadata": {"generation": 2},
-                                                          "spec": {"expert": {"replicas": 6}}})  # fmt: skip
+    response = await kmock.patch(
+        f"{MESHES_URL}/m1", json={"metadata": {"generation": 2}, "spec": {"expert": {"replicas": 6}}}
+    )
     assert response.status < 300, await response.text()
     await eventually(lambda: all(live(kmock, r, n) for r, n in CHILDREN), message="children after the fix")
     assert live(kmock, "apps/v1/statefulsets", "m1-expert")["spec"]["replicas"] == 6

@@ -19,8 +19,9 @@ def test_a_stale_tick_keeps_the_reconciles_ready_condition():
     by_type = {c["type"]: c["status"] for c in written_by_tick}
     assert by_type == {"TelemetryAvailable": "True", "SpecValid": "True", "Ready": "True"}
     # and a reconcile that read the status before the tick's patch keeps TelemetryAvailable
-    again = _record_owned(memo, set_condition(written_by_reconcile, "Ready", False, "InvalidSpec", "x"),
-                          RECONCILE_CONDITIONS)  # fmt: skip
+    again = _record_owned(
+        memo, set_condition(written_by_reconcile, "Ready", False, "InvalidSpec", "x"), RECONCILE_CONDITIONS
+    )
     assert {c["type"]: c["status"] for c in again} == {
         "SpecValid": "True",
         "Ready": "False",

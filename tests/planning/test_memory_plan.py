@@ -147,17 +147,39 @@ def tiny_hf_configs():
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4)
     return {
-        "qwen3_moe": Qwen3MoeConfig(**common, num_hidden_layers=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                                    num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2,
-                                    mlp_only_layers=[3]),  # only layer 1 is MoE
-        "deepseek_v3": DeepseekV3Config(**common, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=4,
-                                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                        q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                        v_head_dim=8, n_shared_experts=1, moe_intermediate_size=16),
-        "mixtral": MixtralConfig(**common, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=3,
-                                 num_experts_per_tok=2),
+        "qwen3_moe": Qwen3MoeConfig(
+            **common,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        ),  # only layer 1 is MoE
+        "deepseek_v3": DeepseekV3Config(
+            **common,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+        ),
+        "mixtral": MixtralConfig(
+            **common, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2
+        ),
         "llama_tied": LlamaConfig(**common, num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True),
-    }  # fmt: skip
+    }
 
 
 def save_tiny_checkpoint(kind: str, folder) -> dict[str, tuple[int, ...]]:
@@ -206,16 +228,34 @@ def test_an_fp8_index_counts_scales_and_mtp_layers_exactly(tmp_path):
         num_nextn_predict_layers=1, quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]}
     )
     h, v, last = 32, 64, config["num_hidden_layers"]
-    mtp = {n.replace(f"model.layers.{last - 1}.", f"model.layers.{last}."): s
-           for n, s in shapes.items() if n.startswith(f"model.layers.{last - 1}.")}  # fmt: skip
-    mtp.update({f"model.layers.{last}.{n}": s for n, s in [
-        ("embed_tokens.weight", (v, h)), ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
-        ("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (v, h))]})  # fmt: skip
+    mtp = {
+        n.replace(f"model.layers.{last - 1}.", f"model.layers.{last}."): s
+        for n, s in shapes.items()
+        if n.startswith(f"model.layers.{last - 1}.")
+    }
+    mtp.update(
+        {
+            f"model.layers.{last}.{n}": s
+            for n, s in [
+                ("embed_tokens.weight", (v, h)),
+                ("enorm.weight", (h,)),
+                ("hnorm.weight", (h,)),
+                ("eh_proj.weight", (h, 2 * h)),
+                ("shared_head.norm.weight", (h,)),
+                ("shared_head.head.weight", (v, h)),
+            ]
+        }
+    )
     stored, size = {}, {"main": 0, "mtp": 0}
     for group, tensors in (("main", shapes), ("mtp", mtp)):
         for name, shape in tensors.items():
-            quantized = name.startswith("model.layers.") and len(shape) == 2 and not name.endswith(
-                (".gate.weight", "embed_tokens.weight", "eh_proj.weight", "shared_head.head.weight"))  # fmt: skip
+            quantized = (
+                name.startswith("model.layers.")
+                and len(shape) == 2
+                and not name.endswith(
+                    (".gate.weight", "embed_tokens.weight", "eh_proj.weight", "shared_head.head.weight")
+                )
+            )
             stored[name] = "x.safetensors"
             if quantized:
                 stored[name + "_scale_inv"] = "x.safetensors"
@@ -272,8 +312,14 @@ def test_a_pod_smaller_than_one_slot_fits_no_pod_count():
 
 def test_qwen3_fits_one_pod_and_a_dense_model_needs_no_expert_pods():
     assert check_expert_pods(plan_mesh(QWEN3_30B_A3B, None, 141 * GIB), 0) is None
-    llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}  # fmt: skip
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+    }
     plan = plan_mesh(llama, None, GIB, expert_pods=0)
     assert plan.one_copy is None and plan.expert_pods_problem is None
     assert plan.weights.total.params == 100 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
@@ -282,9 +328,19 @@ def test_qwen3_fits_one_pod_and_a_dense_model_needs_no_expert_pods():
 # -- sizes --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "text, size",
-    [("141GiB", 141 * 2**30), ("80GB", 80 * 10**9), ("80Gi", 80 * 2**30), ("80G", 80 * 10**9), ("1.5TiB", 3 * 2**39),
-     (" 2 MiB ", 2 * 2**20), ("123", 123), (4096, 4096), ("512kb", 512_000), ("1tb", 10**12)],
-)  # fmt: skip
+    [
+        ("141GiB", 141 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("80Gi", 80 * 2**30),
+        ("80G", 80 * 10**9),
+        ("1.5TiB", 3 * 2**39),
+        (" 2 MiB ", 2 * 2**20),
+        ("123", 123),
+        (4096, 4096),
+        ("512kb", 512_000),
+        ("1tb", 10**12),
+    ],
+)
 def test_sizes_read_binary_and_si_units(text, size):
     assert parse_size(text) == size
 
@@ -327,8 +383,9 @@ def test_cli_reads_the_index_next_to_config_json(tmp_path):
 
 def test_cli_exits_1_when_the_expert_pods_are_too_few(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
-    done = moemesh("plan", "--model", str(tmp_path), "--gpu-memory", "141GiB", "--redundant-experts", "32",
-                   "--expert-pods", "4")  # fmt: skip
+    done = moemesh(
+        "plan", "--model", str(tmp_path), "--gpu-memory", "141GiB", "--redundant-experts", "32", "--expert-pods", "4"
+    )
     assert done.returncode == 1
     assert "at least 6 expert pods" in done.stdout and "MTP layers (1, stored, not loaded)" in done.stdout
 
@@ -344,14 +401,26 @@ BAD_INPUTS = {
     "config not JSON": lambda d: (_write(d, "config.json", "{not json"), []),
     "config a list": lambda d: (_write(d, "config.json", [1]), []),
     "unsupported architecture": lambda d: (_write(d, "config.json", {**QWEN3_30B_A3B, "architectures": ["Gpt2"]}), []),
-    "missing field": lambda d: (_write(d, "config.json", {k: v for k, v in QWEN3_30B_A3B.items() if k != "hidden_size"}), []),
-    "unsupported quantization": lambda d: (_write(d, "config.json", {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "awq"}}), []),
-    "bad index": lambda d: (_write(d, "config.json", QWEN3_30B_A3B) and _write(d, "model.safetensors.index.json", {"weight_map": []}), []),
+    "missing field": lambda d: (
+        _write(d, "config.json", {k: v for k, v in QWEN3_30B_A3B.items() if k != "hidden_size"}),
+        [],
+    ),
+    "unsupported quantization": lambda d: (
+        _write(d, "config.json", {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "awq"}}),
+        [],
+    ),
+    "bad index": lambda d: (
+        _write(d, "config.json", QWEN3_30B_A3B) and _write(d, "model.safetensors.index.json", {"weight_map": []}),
+        [],
+    ),
     "bad gpu memory": lambda d: (_write(d, "config.json", QWEN3_30B_A3B), ["--gpu-memory", "lots"]),
     "negative kv tokens": lambda d: (_write(d, "config.json", QWEN3_30B_A3B), ["--kv-tokens", "-1"]),
     "reserve everything": lambda d: (_write(d, "config.json", QWEN3_30B_A3B), ["--reserve-fraction", "1"]),
-    "redundant experts on a dense model": lambda d: (_write(d, "config.json", {**QWEN3_30B_A3B, "num_experts": 0}), ["--redundant-experts", "2"]),
-}  # fmt: skip
+    "redundant experts on a dense model": lambda d: (
+        _write(d, "config.json", {**QWEN3_30B_A3B, "num_experts": 0}),
+        ["--redundant-experts", "2"],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))

@@ -78,8 +78,12 @@ def test_a_wrong_pvc_path_is_an_error_naming_the_claim_and_path_never_a_fallback
     with pytest.raises(ModelSourceError, match=r"pvc 'weights' path 'typo': .*typo does not exist"):
         resolve_model_path(source)
     config = write_config(tmp_path, source)
-    done = subprocess.run([sys.executable, "-m", "moemesh.cli", "serve", "--role", "decode", "--config", config],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "moemesh.cli", "serve", "--role", "decode", "--config", config],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"moemesh: error: model source pvc 'weights' path 'typo': {tmp_path / 'typo'} does not exist in the pod"

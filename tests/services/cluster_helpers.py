@@ -11,17 +11,39 @@ from moemesh.proto.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate
 
 MAX_MODEL_LEN = 1024
 # small pools, one thread, remote prefill from 8 uncached tokens on; float32 like the offline oracle
-WORKER_ARGS = ("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-               "--min-remote-prefill-tokens", "8", "--kv-transfer-timeout", "20")  # fmt: skip
+WORKER_ARGS = (
+    "--dtype",
+    "float32",
+    "--num-blocks",
+    "256",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--min-remote-prefill-tokens",
+    "8",
+    "--kv-transfer-timeout",
+    "20",
+)
 ROUTER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
 
 
 def test_cluster(redis_url: str, mesh: str, log_dir, num_decode: int = 2, **overrides) -> LocalCluster:
     spec = ClusterSpec(
-        num_prefill=1, num_decode=num_decode, http_port=0, redis_url=redis_url, mesh=mesh, num_threads=1,
-        worker_args=WORKER_ARGS, router_args=ROUTER_ARGS, heartbeat_ttl_s=3.0, log_dir=str(log_dir),
-        trace_dir=str(log_dir), start_timeout_s=240, **overrides,
-    )  # fmt: skip
+        num_prefill=1,
+        num_decode=num_decode,
+        http_port=0,
+        redis_url=redis_url,
+        mesh=mesh,
+        num_threads=1,
+        worker_args=WORKER_ARGS,
+        router_args=ROUTER_ARGS,
+        heartbeat_ttl_s=3.0,
+        log_dir=str(log_dir),
+        trace_dir=str(log_dir),
+        start_timeout_s=240,
+        **overrides,
+    )
     return LocalCluster(spec)
 
 

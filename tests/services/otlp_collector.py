@@ -36,8 +36,15 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     parent = span.parent_span_id.hex() or None
-                    received.append(ReceivedSpan(attributes.get("service.name", ""), span.name, span.trace_id.hex(),
-                                                 span.span_id.hex(), parent))  # fmt: skip
+                    received.append(
+                        ReceivedSpan(
+                            attributes.get("service.name", ""),
+                            span.name,
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            parent,
+                        )
+                    )
         with self._lock:
             self.spans += received
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -27,8 +27,22 @@ MAX_TOKENS = 16
 NUM_STREAMS, DURATION_S, KILL_EVERY_S = 64, 60.0, 10.0  # kills at 10, 20, 30, 40, 50 s; then 10 s more traffic
 MAX_MODEL_LEN = "256"
 # float32 like the oracle; remote prefill from 8 uncached tokens on (every prompt), fast placement polls
-WORKER_ARGS = ("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", MAX_MODEL_LEN,
-               "--min-remote-prefill-tokens", "8", "--kv-transfer-timeout", "20", "--placement-poll", "0.05")  # fmt: skip
+WORKER_ARGS = (
+    "--dtype",
+    "float32",
+    "--num-blocks",
+    "256",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    MAX_MODEL_LEN,
+    "--min-remote-prefill-tokens",
+    "8",
+    "--kv-transfer-timeout",
+    "20",
+    "--placement-poll",
+    "0.05",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +52,23 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    spec = ClusterSpec(num_prefill=1, num_decode=2, http_port=0, mesh=MESH, model=model, num_threads=1,
-                       worker_args=WORKER_ARGS, router_args=("--max-model-len", MAX_MODEL_LEN), num_experts=2,
-                       expert_replicas=2, expert_args=("--dtype", "float32", "--placement-poll", "0.05"),
-                       heartbeat_ttl_s=3.0, log_dir=str(tmp_path_factory.mktemp("chaos")), start_timeout_s=240,
-                       restart_backoff_s=0.5)  # fmt: skip
+    spec = ClusterSpec(
+        num_prefill=1,
+        num_decode=2,
+        http_port=0,
+        mesh=MESH,
+        model=model,
+        num_threads=1,
+        worker_args=WORKER_ARGS,
+        router_args=("--max-model-len", MAX_MODEL_LEN),
+        num_experts=2,
+        expert_replicas=2,
+        expert_args=("--dtype", "float32", "--placement-poll", "0.05"),
+        heartbeat_ttl_s=3.0,
+        log_dir=str(tmp_path_factory.mktemp("chaos")),
+        start_timeout_s=240,
+        restart_backoff_s=0.5,
+    )
     with LocalCluster(spec) as cluster:
         yield cluster
 
@@ -71,8 +97,14 @@ def test_streams_survive_a_decode_prefill_and_expert_worker_and_redis_being_kill
     assert other_decode in decode_ids and other_decode != decode  # seed 0: each decode worker once
     assert cluster.placement.replica_counts.min() == 2  # every expert also on the other expert worker
 
-    result = run_chaos(cluster, schedule, num_streams=NUM_STREAMS, duration_s=DURATION_S, kill_every_s=KILL_EVERY_S,
-                       max_tokens=MAX_TOKENS)  # fmt: skip
+    result = run_chaos(
+        cluster,
+        schedule,
+        num_streams=NUM_STREAMS,
+        duration_s=DURATION_S,
+        kill_every_s=KILL_EVERY_S,
+        max_tokens=MAX_TOKENS,
+    )
     report("chaos", result, expected)  # requests, migrations, 429s, failures, kills: shown when it fails
     assert [victim for _, victim in result.kills] == schedule
     assert [s.error for s in result.samples if s.error] == [] and len(result.samples) > 2 * NUM_STREAMS  # no 429 either
@@ -89,8 +121,10 @@ def test_streams_survive_a_decode_prefill_and_expert_worker_and_redis_being_kill
 
     wait_until(recovered, message="every process back")
     restarted = cluster.services[expert]
-    wait_until(lambda: status(restarted).serving and status(restarted).active_version == cluster.placement.version,
-               message=f"{expert} serving placement {cluster.placement.version} again")  # fmt: skip
+    wait_until(
+        lambda: status(restarted).serving and status(restarted).active_version == cluster.placement.version,
+        message=f"{expert} serving placement {cluster.placement.version} again",
+    )
     before = routed_tokens(restarted)
 
     def dispatched_to_it() -> bool:  # a request's experts ran on it (replicas alternate between the workers)
@@ -120,6 +154,7 @@ def complete(cluster, prompt: str) -> str:
     import openai
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    response = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS,
-                                         temperature=0)  # fmt: skip
+    response = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+    )
     return response.choices[0].text

@@ -60,8 +60,10 @@ def collector():
 def cluster(redis_server, tmp_path_factory, collector):
     logs = tmp_path_factory.mktemp("cluster-api")
     with test_cluster(redis_server.url, MESH, logs, otlp_endpoint=collector.endpoint) as cluster:
-        routers = [cluster.add_router("router-rr", "round_robin", ROUTER_ARGS, wait=False),
-                   cluster.add_router("router-agg", "round_robin", (*ROUTER_ARGS, "--aggregated"), wait=False)]  # fmt: skip
+        routers = [
+            cluster.add_router("router-rr", "round_robin", ROUTER_ARGS, wait=False),
+            cluster.add_router("router-agg", "round_robin", (*ROUTER_ARGS, "--aggregated"), wait=False),
+        ]
         for router in routers:
             cluster.wait_http(router)
         yield cluster
@@ -99,8 +101,16 @@ def test_greedy_completions_equal_the_offline_engine_with_exact_usage(client, mo
     for prompt in PROMPTS[:3]:
         expected = offline(offline_llm, prompt, 16)
         if stream:
-            chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}))  # fmt: skip
+            chunks = list(
+                client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=16,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
             usage = chunks[-1].usage
@@ -119,8 +129,9 @@ def test_greedy_chat_equals_the_offline_chat(client, model, offline_llm, stream)
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a fruit."}]
     (expected,) = offline_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=20))
     if stream:
-        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
-                                                      stream=True))  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0, stream=True)
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
     else:
@@ -140,8 +151,9 @@ def test_stop_strings_cut_the_text_like_the_offline_engine(client, model, offlin
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_penalties_bias_min_tokens_and_many_stop_strings_equal_the_offline_engine(client, model, offline_llm,
-                                                                                tokenizer, stream):  # fmt: skip
+def test_penalties_bias_min_tokens_and_many_stop_strings_equal_the_offline_engine(
+    client, model, offline_llm, tokenizer, stream
+):
     """Every vLLM sampling field travels router -> decode -> prefill (this prompt is prefilled
     remotely, so the first token is sampled by the prefill worker under the same bias)."""
     prompt = "Count: one, two, three, four, five,"
@@ -149,9 +161,17 @@ def test_penalties_bias_min_tokens_and_many_stop_strings_equal_the_offline_engin
     stop = [" ten", " eleven", " twelve", "zz", "qq", "xx"]  # more than OpenAI's 4
     params = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_tokens": 6}
     expected = offline(offline_llm, prompt, 16, logit_bias={banned: -100.0}, stop=tuple(stop), **params)
-    kwargs = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=stop, logit_bias={str(banned): -100},
-                  presence_penalty=0.5, frequency_penalty=0.3,
-                  extra_body={"repetition_penalty": 1.2, "min_tokens": 6})  # fmt: skip
+    kwargs = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        stop=stop,
+        logit_bias={str(banned): -100},
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 6},
+    )
     if stream:
         text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
     else:
@@ -172,14 +192,24 @@ def test_parse_returns_objects_valid_against_the_sent_schema_disaggregated_and_a
 
     def parse(case):
         prompt, schema = case
-        completion = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": prompt}],
-                                                   response_format=schema, max_tokens=64, temperature=0)  # fmt: skip
+        completion = client.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=schema,
+            max_tokens=64,
+            temperature=0,
+        )
         return completion.choices[0].message.content, completion.choices[0].message.parsed
 
     def stream(case):
         prompt, schema = case
-        with aggregated_client.chat.completions.stream(model=model, messages=[{"role": "user", "content": prompt}],
-                                                       response_format=schema, max_tokens=64, temperature=0) as events:  # fmt: skip
+        with aggregated_client.chat.completions.stream(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=schema,
+            max_tokens=64,
+            temperature=0,
+        ) as events:
             deltas = "".join(e.delta for e in events if e.type == "content.delta")
             message = events.get_final_completion().choices[0].message
         assert deltas == message.content
@@ -202,22 +232,38 @@ def test_json_object_choice_and_regex_constraints_and_bad_ones_get_400(client, a
 
     choices = ["yes", "no", "maybe"]
     with ThreadPoolExecutor(6) as pool:
-        objects = [pool.submit(chat, c, "Give the name and age of a person as JSON.", response_format={"type": "json_object"})
-                   for c in (client, aggregated_client)]  # fmt: skip
-        picks = [pool.submit(chat, client, "Is the sea salty?", extra_body={"guided_choice": choices}),
-                 pool.submit(chat, aggregated_client, "Is fire cold?", extra_body={"structured_outputs": {"choice": choices}})]  # fmt: skip
-        code = pool.submit(client.completions.create, model=model, prompt="My phone number is", max_tokens=12,
-                           temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})  # fmt: skip
+        objects = [
+            pool.submit(chat, c, "Give the name and age of a person as JSON.", response_format={"type": "json_object"})
+            for c in (client, aggregated_client)
+        ]
+        picks = [
+            pool.submit(chat, client, "Is the sea salty?", extra_body={"guided_choice": choices}),
+            pool.submit(
+                chat, aggregated_client, "Is fire cold?", extra_body={"structured_outputs": {"choice": choices}}
+            ),
+        ]
+        code = pool.submit(
+            client.completions.create,
+            model=model,
+            prompt="My phone number is",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"guided_regex": r"\d{3}-\d{4}"},
+        )
         for future in objects:
             choice = future.result().choices[0]
             assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
         assert all(f.result().choices[0].message.content in choices for f in picks)
         assert re.fullmatch(r"\d{3}-\d{4}", code.result().choices[0].text)
-    for extra, param in [({"guided_regex": "(unclosed"}, "guided_regex"),
-                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-                          "response_format"),
-                         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
-                         ({"response_format": {"type": "xml"}}, "response_format")]:  # fmt: skip
+    for extra, param in [
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             chat(client, "Hi", extra_body=extra)
         assert e.value.body["param"] == param, e.value.body
@@ -233,7 +279,7 @@ WEATHER_TOOL = {
             "properties": {
                 "city": {"type": "string", "maxLength": 20},
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },  # fmt: skip
+            },
             "required": ["city", "unit"],
             "additionalProperties": False,
         },
@@ -264,14 +310,19 @@ def test_a_two_turn_get_weather_conversation_with_a_required_tool_call(client, m
     (call,) = first.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
-    assert (name, json.loads(arguments), len(ids), finish) == (call.function.name, json.loads(call.function.arguments),
-                                                               1, "tool_calls")  # fmt: skip
+    assert (name, json.loads(arguments), len(ids), finish) == (
+        call.function.name,
+        json.loads(call.function.arguments),
+        1,
+        "tool_calls",
+    )
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "unit": "celsius"})},
     ]
-    second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=24,
-                                            temperature=0).choices[0]  # fmt: skip
+    second = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=24, temperature=0
+    ).choices[0]
     assert second.message.content and not second.message.tool_calls
     assert second.finish_reason in ("stop", "length")
 
@@ -280,8 +331,10 @@ def test_logprobs_and_n_and_seed(client, model, offline_llm, tokenizer):
     response = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
     lp = response.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert all(len(top) == 2 and max(top.values()) == pytest.approx(first, abs=1e-5)
-               for top, first in zip(lp.top_logprobs, lp.token_logprobs))  # fmt: skip
+    assert all(
+        len(top) == 2 and max(top.values()) == pytest.approx(first, abs=1e-5)
+        for top, first in zip(lp.top_logprobs, lp.token_logprobs)
+    )
     expected = offline(offline_llm, PROMPTS[0], 4, logprobs=2)
     assert lp.token_logprobs == pytest.approx([x.logprob for x in expected.logprobs], abs=1e-3)
     sampled = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3, seed=7)
@@ -343,9 +396,11 @@ def test_a_failed_kv_transfer_falls_back_to_a_local_prefill_with_the_same_output
 def call_decode(worker, prompt: list[int], prefill_endpoint: str, request_id: str, **sampling) -> tuple[list[int], int]:
     sampling = {"temperature": 0.0, "max_tokens": 12, **sampling}
     request = decode_pb2.WorkerGenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt, prefill_endpoint=prefill_endpoint,
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        prefill_endpoint=prefill_endpoint,
         sampling=common_pb2.SamplingParams(**sampling),
-    )  # fmt: skip
+    )
     token_ids, remote = [], None
     with grpc.insecure_channel(worker.grpc_endpoint) as channel:
         for message in decode_pb2_grpc.DecodeWorkerStub(channel).Generate(request, timeout=60):
@@ -440,8 +495,14 @@ def test_health_and_prometheus_metrics_on_every_service(cluster, client, model, 
     assert moved("vllm:request_success_total", "length") == 1
     assert moved("vllm:prompt_tokens_total") == len(tokenizer.encode(PROMPTS[3]))
     assert moved("vllm:generation_tokens_total") == 2
-    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
-                 "request_inference_time", "time_to_first_token"):  # fmt: skip
+    for name in (
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+        "request_inference_time",
+        "time_to_first_token",
+    ):
         assert moved(f"vllm:{name}_seconds_count") == 1, name
     assert moved("vllm:e2e_request_latency_seconds_sum") >= moved("vllm:request_decode_time_seconds_sum") > 0
     assert moved("vllm:request_generation_tokens_sum") == 2
@@ -449,13 +510,22 @@ def test_health_and_prometheus_metrics_on_every_service(cluster, client, model, 
     health = json.loads(urllib.request.urlopen(cluster.url + "/health").read())
     assert health == {"status": "ok", "decode_workers": 2}
     router_metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
-    for name in ("moemesh:router_time_to_first_token_seconds_bucket", "moemesh:router_routed_total",
-                 "moemesh:router_redis_up", "moemesh:router_decision_seconds_bucket"):  # fmt: skip
+    for name in (
+        "moemesh:router_time_to_first_token_seconds_bucket",
+        "moemesh:router_routed_total",
+        "moemesh:router_redis_up",
+        "moemesh:router_decision_seconds_bucket",
+    ):
         assert name in router_metrics
     for worker in workers(cluster):
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(worker)}/metrics").read().decode()
-        for name in ("vllm:num_requests_waiting{", "vllm:num_requests_running{", "vllm:kv_cache_usage_perc{",
-                     "vllm:prefix_cache_hits_total{", "vllm:time_to_first_token_seconds_bucket{"):  # fmt: skip
+        for name in (
+            "vllm:num_requests_waiting{",
+            "vllm:num_requests_running{",
+            "vllm:kv_cache_usage_perc{",
+            "vllm:prefix_cache_hits_total{",
+            "vllm:time_to_first_token_seconds_bucket{",
+        ):
             assert name in text, (worker.name, name)
         assert 'vllm:time_to_first_token_seconds_bucket{le="2560.0"' in text  # vLLM's TTFT range
         assert f'model_name="{model}"' in text  # the router's label
@@ -482,11 +552,25 @@ def test_traces_follow_a_request_from_router_to_decode_to_prefill(cluster):
         decode = by_id.get(transfer["parent_id"]) if transfer else None
         router = by_id.get(decode["parent_id"]) if decode else None
         if router:
-            chains.append((router["service"], router["name"], decode["service"], decode["name"],
-                           transfer["name"], span["service"]))  # fmt: skip
+            chains.append(
+                (
+                    router["service"],
+                    router["name"],
+                    decode["service"],
+                    decode["name"],
+                    transfer["name"],
+                    span["service"],
+                )
+            )
             assert router["trace_id"] == decode["trace_id"] == span["trace_id"]
-    assert ("moemesh-router", "router.generate", "moemesh-decode", "decode.generate", "kv_transfer",
-            "moemesh-prefill") in chains  # fmt: skip
+    assert (
+        "moemesh-router",
+        "router.generate",
+        "moemesh-decode",
+        "decode.generate",
+        "kv_transfer",
+        "moemesh-prefill",
+    ) in chains
     assert {"queue", "queue+prefill", "decode"} <= {s["name"] for s in spans if s["service"] == "moemesh-decode"}
 
 
@@ -528,14 +612,16 @@ def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(
                 if kind == 1:  # plain request, client gives up before the end
                     impatient = client.with_options(timeout=0.3)
                     try:
-                        await impatient.completions.create(model=model, prompt=prompt, max_tokens=200,
-                                                           extra_body={"ignore_eos": True})  # fmt: skip
+                        await impatient.completions.create(
+                            model=model, prompt=prompt, max_tokens=200, extra_body={"ignore_eos": True}
+                        )
                     except openai.APITimeoutError:
                         return "timed out"
                     return "finished"
                 stop = ["e"] if kind == 2 else None
-                response = await client.completions.create(model=model, prompt=prompt, max_tokens=4, stop=stop,
-                                                           temperature=0.7, stream=kind == 3)  # fmt: skip
+                response = await client.completions.create(
+                    model=model, prompt=prompt, max_tokens=4, stop=stop, temperature=0.7, stream=kind == 3
+                )
                 if kind == 3:
                     async for _ in response:
                         pass
@@ -550,8 +636,10 @@ def test_no_blocks_or_requests_leak_after_200_requests_including_cancelled_ones(
 
     def idle() -> bool:
         reports = [load_any(w) for w in workers(cluster)]
-        return all(r.num_blocks_used == 0 and r.num_running == 0 and r.num_waiting == 0 and r.num_waiting_for_kv == 0
-                   for r in reports)  # fmt: skip
+        return all(
+            r.num_blocks_used == 0 and r.num_running == 0 and r.num_waiting == 0 and r.num_waiting_for_kv == 0
+            for r in reports
+        )
 
     wait_until(idle, message="every worker back to zero blocks in use")
     metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
@@ -590,8 +678,14 @@ def test_a_20_mb_body_gets_413_and_a_concurrent_stream_keeps_flowing(cluster, mo
         times: list[float] = []
 
         async def stream(client: httpx.AsyncClient) -> None:
-            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 48, "stream": True,
-                    "ignore_eos": True, "temperature": 0}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": PROMPTS[0],
+                "max_tokens": 48,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):

@@ -62,9 +62,10 @@ def killed() -> list[str]:
 
 def generate_on(worker, prompt_token_ids: list[int], request_id: str) -> list[int]:
     request = decode_pb2.WorkerGenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt_token_ids,
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=2),
-    )  # fmt: skip
+    )
     with grpc.insecure_channel(worker.grpc_endpoint) as channel:
         return [t for m in decode_pb2_grpc.DecodeWorkerStub(channel).Generate(request, timeout=60) for t in m.token_ids]
 
@@ -102,14 +103,19 @@ def test_requests_succeed_while_redis_is_down_and_the_index_is_rebuilt_when_it_r
         wait_until(lambda: "Redis unreachable" in open(log_path).read(), message="the router saw Redis go")
     finally:
         redis_server.start()
-    wait_until(lambda: sorted(w.worker_id for w in registry.list_workers(redis_client, MESH)
-                              if w.role != "router") == worker_names, message="registry rebuilt")  # fmt: skip
+    wait_until(
+        lambda: sorted(w.worker_id for w in registry.list_workers(redis_client, MESH) if w.role != "router")
+        == worker_names,
+        message="registry rebuilt",
+    )
     wait_until(lambda: index.indexed_workers() == worker_names, message="prefix index rebuilt")
     decode = decode_workers(cluster)[0]
     assert wait_until(lambda: index.worker_blocks(decode.name), message="the decode worker's blocks re-indexed")
     # the router notices on its own next Redis call, which may come after the workers re-indexed
-    router_log = wait_until(lambda: (lambda text: text if "Redis is back" in text else None)(open(log_path).read()),
-                            message="the router saw Redis return")  # fmt: skip
+    router_log = wait_until(
+        lambda: (lambda text: text if "Redis is back" in text else None)(open(log_path).read()),
+        message="the router saw Redis return",
+    )
     assert router_log.count("Redis unreachable") == 1  # logged once per outage
     response = client.completions.create(model=model, prompt="And with Redis back:", max_tokens=3)
     assert response.choices[0].text is not None
@@ -126,8 +132,9 @@ def test_a_decode_worker_killed_mid_stream_is_migrated_and_the_stream_equals_an_
     migrations_before = metric_total(cluster.url + "/metrics", "moemesh:router_migrations_total")
     stream = iter(client.completions.create(**params, stream=True))
     text = "".join(next(stream).choices[0].text for _ in range(8))
-    serving = wait_until(lambda: [w for w in decode_workers(cluster) if load(w).num_running == 1],
-                         message="the serving worker")  # fmt: skip
+    serving = wait_until(
+        lambda: [w for w in decode_workers(cluster) if load(w).num_running == 1], message="the serving worker"
+    )
     (victim,) = serving
     cluster.stop_service(victim.name, signal.SIGKILL)
     killed.append(victim.name)
@@ -218,14 +225,20 @@ def test_sigterm_drains_a_decode_worker_its_streams_finish_and_new_requests_go_e
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     with grpc.insecure_channel(victim.grpc_endpoint) as channel:
         stub = decode_pb2_grpc.DecodeWorkerStub(channel)
-        calls = [stub.Generate(decode_pb2.WorkerGenerateRequest(request_id=f"drain-{i}", prompt_token_ids=prompt,
-                                                                sampling=sampling), timeout=300)
-                 for i in range(4)]  # fmt: skip
+        calls = [
+            stub.Generate(
+                decode_pb2.WorkerGenerateRequest(request_id=f"drain-{i}", prompt_token_ids=prompt, sampling=sampling),
+                timeout=300,
+            )
+            for i in range(4)
+        ]
         firsts = [next(call) for call in calls]  # all four in flight
         victim.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        wait_until(lambda: victim.name not in [w.worker_id for w in registry.list_workers(redis_client, MESH)],
-                   message=f"{victim.name} deregistered")  # fmt: skip
+        wait_until(
+            lambda: victim.name not in [w.worker_id for w in registry.list_workers(redis_client, MESH)],
+            message=f"{victim.name} deregistered",
+        )
         with pytest.raises(grpc.RpcError) as refused:  # a router with a stale view is told to go elsewhere
             generate_on(victim, prompt, "drain-new")
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

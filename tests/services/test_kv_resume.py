@@ -201,9 +201,11 @@ async def serve(engine, transport: KVTransport, prompt: list[int]):
     engine.set_kv_connector(RemotePrefillConnector(transport, metrics, timeout_s=20.0, timeout_per_token_s=0.01))
     servicer = DecodeServicer(async_engine, "d", "decode", metrics, min_remote_prefill_tokens=1, max_queued_requests=8)
     request = decode_pb2.WorkerGenerateRequest(
-        request_id="served", prompt_token_ids=prompt, prefill_endpoint="prefill:1",
+        request_id="served",
+        prompt_token_ids=prompt,
+        prefill_endpoint="prefill:1",
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens),
-    )  # fmt: skip
+    )
     async_engine.start()
     try:
         await async_engine.wait_ready()
@@ -237,8 +239,9 @@ def test_the_grpc_transport_yields_each_chunk_as_it_comes_and_fails_when_the_pre
 
         async def Prefill(self, request, context):
             context.add_done_callback(lambda _: self.cancelled.set())
-            chunk = prefill_pb2.KVChunk(start_token=request.num_computed_tokens, num_tokens=2,
-                                        data=bytes(2 * layout.bytes_per_token))  # fmt: skip
+            chunk = prefill_pb2.KVChunk(
+                start_token=request.num_computed_tokens, num_tokens=2, data=bytes(2 * layout.bytes_per_token)
+            )
             yield prefill_pb2.PrefillResponse(chunk=chunk)
             await asyncio.Event().wait()  # never sends again
 
@@ -249,8 +252,9 @@ def test_the_grpc_transport_yields_each_chunk_as_it_comes_and_fails_when_the_pre
         await server.start()
         channels = ChannelPool()
         # the first chunk must also come within the idle timeout: room for a loaded machine
-        task = RemotePrefillTask(f"127.0.0.1:{port}", "r", [1] * 10, None, 4, layout, timeout_s=60.0,
-                                 idle_timeout_s=3.0)  # fmt: skip
+        task = RemotePrefillTask(
+            f"127.0.0.1:{port}", "r", [1] * 10, None, 4, layout, timeout_s=60.0, idle_timeout_s=3.0
+        )
         received = []
         try:
             with pytest.raises(KVTransferError, match="nothing for 3.0 s"):

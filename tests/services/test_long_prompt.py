@@ -28,10 +28,20 @@ PREFILL_ARGS = ("--max-num-batched-tokens", "128")  # many rounds per prompt: KV
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    spec = ClusterSpec(num_prefill=1, num_decode=1, http_port=0, mesh=MESH, num_threads=2, worker_args=LONG_ARGS,
-                       prefill_args=PREFILL_ARGS, router_args=(*ROUTER_ARGS, "--max-model-len", "8192"),
-                       heartbeat_ttl_s=3.0, log_dir=str(tmp_path_factory.mktemp("long-prompt")), start_timeout_s=240,
-                       restart_backoff_s=0.5)  # fmt: skip
+    spec = ClusterSpec(
+        num_prefill=1,
+        num_decode=1,
+        http_port=0,
+        mesh=MESH,
+        num_threads=2,
+        worker_args=LONG_ARGS,
+        prefill_args=PREFILL_ARGS,
+        router_args=(*ROUTER_ARGS, "--max-model-len", "8192"),
+        heartbeat_ttl_s=3.0,
+        log_dir=str(tmp_path_factory.mktemp("long-prompt")),
+        start_timeout_s=240,
+        restart_backoff_s=0.5,
+    )
     with LocalCluster(spec) as cluster:
         yield cluster
 
@@ -46,8 +56,9 @@ def test_a_5k_token_prompt_completes_through_the_disaggregated_path(cluster):
     before = metric_total(prefills, "moemesh:prefills_total")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=900)
     prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(520)) + "\nThe last item is"
-    response = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=4,
-                                         temperature=0)  # fmt: skip
+    response = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=4, temperature=0
+    )
     assert response.usage.prompt_tokens > 4500 and response.choices[0].finish_reason == "length"
     assert metric_total(prefills, "moemesh:prefills_total") == before + 1  # prefilled by the prefill worker, once
     assert metric_total(metrics_url(cluster, "decode-0"), "moemesh:kv_transfer_resumed_tokens_total") == 0
@@ -65,8 +76,11 @@ def test_a_prefill_worker_killed_part_way_leaves_the_kv_it_sent_and_the_decode_w
     prefill = cluster.services["prefill-0"]
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(generate, cluster.services["router"], prompt, 8)
-        wait_until(lambda: metric_total(decode, "moemesh:kv_transfer_bytes_total") > bytes_before, interval_s=0.02,
-                   message="the first KV of the prompt on the decode worker")  # fmt: skip
+        wait_until(
+            lambda: metric_total(decode, "moemesh:kv_transfer_bytes_total") > bytes_before,
+            interval_s=0.02,
+            message="the first KV of the prompt on the decode worker",
+        )
         os.kill(prefill.process.pid, signal.SIGKILL)
         token_ids, worker_id, usage = answer.result(timeout=120)
     assert token_ids == expected.token_ids and worker_id == "decode-0"

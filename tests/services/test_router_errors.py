@@ -37,9 +37,10 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 def make_frontend(redis_server, max_in_flight: int = 8, max_model_len: int | None = None):
     settings = RouterSettings(
-        max_in_flight=max_in_flight, max_model_len=max_model_len,
+        max_in_flight=max_in_flight,
+        max_model_len=max_model_len,
         mesh=MeshSettings(mesh="nobody-here", redis_url=redis_server.url),
-    )  # fmt: skip
+    )
     frontend, pool = build_frontend(settings, connect(redis_server.url), ChannelPool())
     return frontend, pool
 
@@ -112,11 +113,15 @@ def test_invalid_completion_requests_get_400_naming_the_field(app, body, param):
 def test_invalid_chat_requests_get_400(app):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": image}), 400, "messages")
-    assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}),
-                 400, "messages")  # fmt: skip
+    assert_error(
+        post(app, "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}), 400, "messages"
+    )
     hi = [{"role": "user", "content": "hi"}]
-    assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": hi, "tool_choice": "required"}),
-                 400, "tool_choice")  # fmt: skip
+    assert_error(
+        post(app, "/v1/chat/completions", json={"model": MODEL, "messages": hi, "tool_choice": "required"}),
+        400,
+        "tool_choice",
+    )
     bad_call = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]
     assert_error(post(app, "/v1/chat/completions", json={"model": MODEL, "messages": bad_call}), 400, "messages")
 
@@ -135,8 +140,15 @@ def test_a_lone_surrogate_in_any_text_gets_400_naming_the_field(app, path, body,
 
 
 def test_documented_extras_with_their_default_values_are_accepted(app):
-    body = {"model": MODEL, "prompt": "hi", "skip_special_tokens": True, "use_beam_search": False, "store": False,
-            "stream_options": {"include_usage": True, "include_obfuscation": False}, "user": "u"}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "hi",
+        "skip_special_tokens": True,
+        "use_beam_search": False,
+        "store": False,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "user": "u",
+    }
     assert_error(post(app, "/v1/completions", json=body), 503, None, "service_unavailable")  # validated, then routed
 
 
@@ -321,8 +333,9 @@ def get(app, path: str, **kwargs) -> httpx.Response:
 def test_health_follows_the_registry_ttl_when_the_last_decode_worker_dies_and_comes_back(redis_server):
     ttl = 2.0
     mesh = MeshSettings(mesh="health-ttl", redis_url=redis_server.url, heartbeat_ttl_s=60.0)  # the grace: 60 s
-    frontend, pool = build_frontend(RouterSettings(router_id="router-h", mesh=mesh), connect(redis_server.url),
-                                    ChannelPool())  # fmt: skip
+    frontend, pool = build_frontend(
+        RouterSettings(router_id="router-h", mesh=mesh), connect(redis_server.url), ChannelPool()
+    )
     app = build_app(frontend, lambda: len(pool.live(("decode", "both"))))
     client = connect(redis_server.url)
     registry.heartbeat(client, mesh.mesh, registry.WorkerRecord("router-h", "router", "127.0.0.1:1", MODEL), 60.0)

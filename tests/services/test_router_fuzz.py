@@ -23,8 +23,9 @@ def fuzzed_app(redis_server):
 
     async def one_token_each(inputs):  # stands in for the workers: the boundary is what is fuzzed
         for index, (prompt_index, _) in enumerate(inputs):
-            yield ChoiceDelta(index, prompt_index, Delta("x", [1], finish_reason="length", num_prompt_tokens=1,
-                                                         num_output_tokens=1))  # fmt: skip
+            yield ChoiceDelta(
+                index, prompt_index, Delta("x", [1], finish_reason="length", num_prompt_tokens=1, num_output_tokens=1)
+            )
 
     frontend.run = one_token_each
     return build_app(frontend, lambda: 1)
@@ -48,8 +49,7 @@ def test_no_generated_request_gets_a_5xx(router_schema):
             if isinstance(case.body, dict) and "model" in case.body and case.body["model"] != MODEL:
                 case.body["model"] = MODEL  # mostly the served model, or most requests end at the 404
             response = case.call()
-            assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
-                                                response.text)  # fmt: skip
+            assert response.status_code < 500, (case.method, case.path, case.body, response.status_code, response.text)
 
         no_5xx()
 

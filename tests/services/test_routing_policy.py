@@ -11,8 +11,9 @@ from moemesh.router.policy import Candidate, KVAware, LeastLoaded, RoundRobin
 from moemesh.router.worker_pool import RecentRoutes, WorkerPool
 
 
-def candidate(worker_id: str, cached: int = 0, active: int = 0, queued: int = 0, in_flight: int = 0,
-              pending: int = 0) -> Candidate:  # fmt: skip
+def candidate(
+    worker_id: str, cached: int = 0, active: int = 0, queued: int = 0, in_flight: int = 0, pending: int = 0
+) -> Candidate:
     return Candidate(worker_id, cached, active, queued, in_flight, pending)
 
 
@@ -67,10 +68,25 @@ def test_recent_routes_give_the_consecutive_prefix_within_their_ttl():
 
 
 def make_pool(num_workers: int, loaded: bool = True) -> WorkerPool:
-    pool = WorkerPool(client=redis.Redis(port=1), mesh="bench", policy=KVAware(), prefill_policy=KVAware(queue_weight=0),
-                      block_size=16, disaggregated=True)  # fmt: skip
-    records = [registry.WorkerRecord(f"d{i}", "decode", f"127.0.0.1:{10000 + i}", "m", num_queued=(i % 3) * loaded,
-                                     num_blocks_used=i * 7 * loaded) for i in range(num_workers)]  # fmt: skip
+    pool = WorkerPool(
+        client=redis.Redis(port=1),
+        mesh="bench",
+        policy=KVAware(),
+        prefill_policy=KVAware(queue_weight=0),
+        block_size=16,
+        disaggregated=True,
+    )
+    records = [
+        registry.WorkerRecord(
+            f"d{i}",
+            "decode",
+            f"127.0.0.1:{10000 + i}",
+            "m",
+            num_queued=(i % 3) * loaded,
+            num_blocks_used=i * 7 * loaded,
+        )
+        for i in range(num_workers)
+    ]
     records += [registry.WorkerRecord(f"p{i}", "prefill", f"127.0.0.1:{20000 + i}", "m") for i in range(4)]
     pool._apply_records(records)
     return pool
@@ -91,9 +107,17 @@ def test_pool_routes_to_the_cached_worker_and_picks_a_prefill_worker():
 
 def test_a_failed_static_worker_the_registry_lists_stays_down_until_it_heartbeats_again():
     now = [100.0]
-    pool = WorkerPool(client=redis.Redis(port=1), mesh="m", policy=KVAware(), prefill_policy=KVAware(),
-                      block_size=16, disaggregated=False, static_decode=["127.0.0.1:7001", "127.0.0.1:7002"],
-                      down_s=5.0, clock=lambda: now[0])  # fmt: skip
+    pool = WorkerPool(
+        client=redis.Redis(port=1),
+        mesh="m",
+        policy=KVAware(),
+        prefill_policy=KVAware(),
+        block_size=16,
+        disaggregated=False,
+        static_decode=["127.0.0.1:7001", "127.0.0.1:7002"],
+        down_s=5.0,
+        clock=lambda: now[0],
+    )
     pool._apply_records([registry.WorkerRecord("decode-0", "decode", "127.0.0.1:7001", "m", updated_at=50.0)])
     listed = pool.workers["decode-0"]
     unlisted = pool.workers["static-127.0.0.1-7002"]

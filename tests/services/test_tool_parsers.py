@@ -66,8 +66,9 @@ def test_llama3_json_reads_semicolon_separated_calls_and_leaves_text_alone():
     text = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
     _, calls = Llama3JsonParser().parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert reassemble(stream_in_random_pieces(Llama3JsonParser(), text, 1))[1] == [(c.name, json.loads(c.arguments))
-                                                                                    for c in calls]  # fmt: skip
+    assert reassemble(stream_in_random_pieces(Llama3JsonParser(), text, 1))[1] == [
+        (c.name, json.loads(c.arguments)) for c in calls
+    ]
     assert reassemble(stream_in_random_pieces(Llama3JsonParser(), "Just text.", 1))[0] == "Just text."
     assert isinstance(parser_for("auto", "{{ '<|python_tag|>' }}"), Llama3JsonParser)
     assert isinstance(parser_for("auto", "{{ messages }}"), HermesParser)
@@ -75,9 +76,13 @@ def test_llama3_json_reads_semicolon_separated_calls_and_leaves_text_alone():
 
 @pytest.mark.parametrize(
     ("tools", "choice", "message"),
-    [(None, "required", "needs tools"), ([TOOL], "sometimes", "must be"), ([TOOL], {"type": "function",
-     "function": {"name": "nope"}}, "must name"), ([{"type": "function", "function": {}}], "auto", r"tools\[0\]")],
-)  # fmt: skip
+    [
+        (None, "required", "needs tools"),
+        ([TOOL], "sometimes", "must be"),
+        ([TOOL], {"type": "function", "function": {"name": "nope"}}, "must name"),
+        ([{"type": "function", "function": {}}], "auto", r"tools\[0\]"),
+    ],
+)
 def test_bad_tools_or_tool_choice_are_rejected_naming_the_field(tools, choice, message):
     with pytest.raises(InvalidRequest, match=message) as e:
         ToolRequest(tools, choice, True, HermesParser())
@@ -98,10 +103,19 @@ def test_the_hermes_tool_prompt_lists_tools_and_renders_calls_and_results():
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-    ]  # fmt: skip
+    ]
     rendered, extra = with_tools(messages, [TOOL], "{{ messages }}")  # a template that knows no tools
     assert (
         extra == {}
@@ -109,8 +123,10 @@ def test_the_hermes_tool_prompt_lists_tools_and_renders_calls_and_results():
         and json.dumps(TOOL) in rendered[0]["content"]
     )
     call = rendered[2]["content"]
-    assert call.startswith("<tool_call>\n") and json.loads(call.split("\n")[1]) == {"name": "get_weather",
-                                                                                   "arguments": {"city": "Paris"}}  # fmt: skip
+    assert call.startswith("<tool_call>\n") and json.loads(call.split("\n")[1]) == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
     assert rendered[3] == {"role": "tool", "content": "<tool_response>\n18 C\n</tool_response>"}
     native, extra = with_tools(messages, [TOOL], "{% for t in tools %}{% endfor %}")
     assert extra == {"tools": [TOOL]} and native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}

@@ -56,8 +56,23 @@ def interrupt_and_wait_gone(up: subprocess.Popen, processes: set[int]) -> None:
 
 def test_moemesh_up_serves_restarts_what_crashes_and_ctrl_c_stops_everything(tmp_path):
     port = free_port()
-    command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--decode", "1", "--port", str(port),
-               "--kv-memory-gib", "0.05", "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "moemesh.cli",
+        "up",
+        "--aggregated",
+        "--decode",
+        "1",
+        "--port",
+        str(port),
+        "--kv-memory-gib",
+        "0.05",
+        "--num-threads",
+        "1",
+        "--log-dir",
+        str(tmp_path),
+    ]
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output = LineReader(up.stdout)
     try:
@@ -65,8 +80,10 @@ def test_moemesh_up_serves_restarts_what_crashes_and_ctrl_c_stops_everything(tmp
         assert re.match(rf"moemesh is up: OpenAI API at http://127\.0\.0\.1:{port}/v1 ", line), line
         processes = children_of(up.pid)
         assert len(processes) == 3  # redis-server, worker, router
-        assert re.search(r"worker-0 +both +127\.0\.0\.1:\d+ +metrics http://127\.0\.0\.1:\d+/metrics",
-                         output.wait_for(lambda text: "worker-0" in text))  # fmt: skip
+        assert re.search(
+            r"worker-0 +both +127\.0\.0\.1:\d+ +metrics http://127\.0\.0\.1:\d+/metrics",
+            output.wait_for(lambda text: "worker-0" in text),
+        )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         assert client.completions.create(model=model, prompt="Hello", max_tokens=3).choices[0].text
@@ -124,8 +141,12 @@ def test_up_checks_engine_flags_before_starting_anything_and_hands_each_service_
     from moemesh.cli import build_parser
     from moemesh.launcher.up import ServiceArgs, service_args
 
-    bad = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--speculative-method", "draft"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "moemesh.cli", "up", "--speculative-method", "draft"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--speculative-method draft needs --draft-model" in bad.stderr
     assert service_args(build_parser().parse_args(["up"])) == ServiceArgs((), (), ())
     flags = [
@@ -147,6 +168,10 @@ def test_up_checks_engine_flags_before_starting_anything_and_hands_each_service_
 
 
 def test_up_refuses_more_expert_replicas_than_expert_workers_before_starting_anything():
-    bad = subprocess.run([sys.executable, "-m", "moemesh.cli", "up", "--experts", "2", "--expert-replicas", "3"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "moemesh.cli", "up", "--experts", "2", "--expert-replicas", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--expert-replicas 3 needs 1 <= replicas <= --experts (2)" in bad.stderr

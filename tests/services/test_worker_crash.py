@@ -30,13 +30,38 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_worker_whose_engine_thread_crashes_exits_1_and_leaves_the_registry(redis_server, redis_client):
     port = free_port()
-    command = [sys.executable, "-c", CRASHING_WORKER, "serve", "--role", "decode", "--worker-id", "crashy",
-               "--host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "0", "--dtype", "float32", "--num-blocks", "64", "--redis-url", redis_server.url,
-               "--mesh", "crash", "--heartbeat-ttl", "60"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        CRASHING_WORKER,
+        "serve",
+        "--role",
+        "decode",
+        "--worker-id",
+        "crashy",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "64",
+        "--redis-url",
+        redis_server.url,
+        "--mesh",
+        "crash",
+        "--heartbeat-ttl",
+        "60",
+    ]
     worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until(lambda: worker.poll() is not None or [r.worker_id for r in registry.list_workers(redis_client, "crash")],
-                   message="the worker registered")  # fmt: skip
+        wait_until(
+            lambda: worker.poll() is not None or [r.worker_id for r in registry.list_workers(redis_client, "crash")],
+            message="the worker registered",
+        )
         assert worker.poll() is None, worker.stdout.read()
         request = decode_pb2.WorkerGenerateRequest(
             request_id="r1", prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=2)

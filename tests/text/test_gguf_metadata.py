@@ -22,7 +22,12 @@ def test_fields_and_tensors_equal_gguf_readers(smollm_path):
     assert len(ours.tensors) == len(theirs.tensors) == 272 and ours.data_offset == theirs.data_offset
     for mine, tensor in zip(ours.tensors, theirs.tensors):
         assert (mine.name, mine.tensor_type, mine.data_offset, mine.data.shape, mine.data.dtype) == (
-            tensor.name, tensor.tensor_type, tensor.data_offset, tensor.data.shape, tensor.data.dtype)  # fmt: skip
+            tensor.name,
+            tensor.tensor_type,
+            tensor.data_offset,
+            tensor.data.shape,
+            tensor.data.dtype,
+        )
         assert not mine.data.flags.writeable and np.array_equal(mine.data, tensor.data), mine.name
     assert len(ours.fields["tokenizer.ggml.tokens"].data) == 49152
 
@@ -41,8 +46,9 @@ def test_the_loaders_float32_weights_are_ggufs_dequantization(smollm_path):
             array = _unpermute(array, heads[tensor.name.endswith("attn_k.weight")])
         expected[_hf_name(tensor.name)] = array
     seen = 0
-    for name, weight in checkpoint.iter_weights(lambda name: name.endswith(("q_proj.weight", "down_proj.weight",
-                                                                             "embed_tokens.weight", "norm.weight"))):  # fmt: skip
+    for name, weight in checkpoint.iter_weights(
+        lambda name: name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight", "norm.weight"))
+    ):
         assert weight.dtype == torch.float32 and np.array_equal(weight.numpy(), expected[name]), name
         seen += 1
     assert seen == 30 + 30 + 1 + 61

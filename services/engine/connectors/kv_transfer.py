@@ -83,8 +83,10 @@ def gather_kv(tensors: list[torch.Tensor], block_ids: list[int], block_size: int
     num_tokens = end - start
     sizes = [num_tokens * math.prod(t.shape[2:]) * t.element_size() for t in tensors]
     buffer = torch.empty(sum(sizes), dtype=torch.uint8)  # [num_bytes]
-    pieces = [(kind, offset, torch.tensor(ids, dtype=torch.int64)) for kind, offset, ids in
-              _pieces(block_ids, block_size, start, end)]  # fmt: skip
+    pieces = [
+        (kind, offset, torch.tensor(ids, dtype=torch.int64))
+        for kind, offset, ids in _pieces(block_ids, block_size, start, end)
+    ]
     offset = 0
     for tensor, size in zip(tensors, sizes):
         shape = tensor.shape[2:]
@@ -99,12 +101,15 @@ def gather_kv(tensors: list[torch.Tensor], block_ids: list[int], block_size: int
     return buffer
 
 
-def scatter_kv(tensors: list[torch.Tensor], block_ids: list[int], block_size: int, start: int, end: int,
-               buffer: torch.Tensor) -> None:  # fmt: skip
+def scatter_kv(
+    tensors: list[torch.Tensor], block_ids: list[int], block_size: int, start: int, end: int, buffer: torch.Tensor
+) -> None:
     """Write a flat byte buffer (the wire format) into the cache at tokens [start, end) of `block_ids`."""
     num_tokens = end - start
-    pieces = [(kind, offset, torch.tensor(ids, dtype=torch.int64)) for kind, offset, ids in
-              _pieces(block_ids, block_size, start, end)]  # fmt: skip
+    pieces = [
+        (kind, offset, torch.tensor(ids, dtype=torch.int64))
+        for kind, offset, ids in _pieces(block_ids, block_size, start, end)
+    ]
     offset = 0
     for tensor in tensors:
         shape = tensor.shape[2:]

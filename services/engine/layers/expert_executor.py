@@ -233,8 +233,10 @@ class LocalExpertExecutor(ExpertExecutor):
     def _weights(self, layer: int) -> tuple[torch.Tensor, ...]:  # expert_tensors, one row per replica
         experts = self.experts[layer]
         if experts.w13.shape[0] == 0:
-            raise RuntimeError("this model was loaded without its routed expert weights "
-                               "(load_routed_experts=False): install a remote ExpertExecutor first")  # fmt: skip
+            raise RuntimeError(
+                "this model was loaded without its routed expert weights "
+                "(load_routed_experts=False): install a remote ExpertExecutor first"
+            )
         tensors = expert_tensors(experts)
         if self.placement.is_identity:
             return tensors

@@ -27,8 +27,9 @@ class GroupQuantized:
     def rows(self, index: torch.Tensor) -> GroupQuantized:
         """The same weight with its rows taken in `index` order (llama.cpp's q/k permutation)."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return GroupQuantized(self.codes[index], self.bits, self.group_size, self.scale[index],
-                              pick(self.min), self.qtype)  # fmt: skip
+        return GroupQuantized(
+            self.codes[index], self.bits, self.group_size, self.scale[index], pick(self.min), self.qtype
+        )
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32, the reference form (tests, fallback)
         n, k = self.shape
@@ -41,8 +42,16 @@ class GroupQuantized:
 def concat_rows(parts: list[GroupQuantized]) -> GroupQuantized:
     """Merged projections (q/k/v, gate/up) of one type: their rows one after the other."""
     first = parts[0]
-    assert all((p.bits, p.group_size, p.qtype, p.min is None) == (first.bits, first.group_size, first.qtype,
-               first.min is None) for p in parts), [p.qtype for p in parts]  # fmt: skip
+    assert all(
+        (p.bits, p.group_size, p.qtype, p.min is None) == (first.bits, first.group_size, first.qtype, first.min is None)
+        for p in parts
+    ), [p.qtype for p in parts]
     mins = None if first.min is None else torch.cat([p.min for p in parts])
-    return GroupQuantized(torch.cat([p.codes for p in parts]), first.bits, first.group_size,
-                          torch.cat([p.scale for p in parts]), mins, first.qtype)  # fmt: skip
+    return GroupQuantized(
+        torch.cat([p.codes for p in parts]),
+        first.bits,
+        first.group_size,
+        torch.cat([p.scale for p in parts]),
+        mins,
+        first.qtype,
+    )

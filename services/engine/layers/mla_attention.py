@@ -110,6 +110,6 @@ class MLAAttention(nn.Module):
                 v.transpose(0, 1)[None],
                 attn_mask=allowed,
                 scale=self.scale,
-            )  # fmt: skip  [1, H, q_len, dv]
+            )  # [1, H, q_len, dv]
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out

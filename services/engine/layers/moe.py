@@ -63,9 +63,15 @@ def select_experts(
     if gating.method == "topk_softmax":
         return kernels.topk_softmax(router_logits, gating.top_k, gating.renormalize)
     return kernels.grouped_topk(
-        router_logits, gating.top_k, gating.num_expert_group, gating.topk_group, e_score_correction_bias,
-        gating.renormalize, gating.routed_scaling_factor, gating.scoring_func,
-    )  # fmt: skip
+        router_logits,
+        gating.top_k,
+        gating.num_expert_group,
+        gating.topk_group,
+        e_score_correction_bias,
+        gating.renormalize,
+        gating.routed_scaling_factor,
+        gating.scoring_func,
+    )
 
 
 class MoEGate(nn.Module):

@@ -71,8 +71,7 @@ def bf16_code_blocks() -> bool:
     """Whether bfloat16 activations get code blocks on this CPU: where their GEMM has bfloat16 dot
     products (AVX512-BF16, 64-row blocks), but not with AMX, whose tile GEMM (oneDNN's, on
     int4pack's rebuilt weight) outruns vector dot products."""
-    return (kernels.blocks_block_n() == 64 and kernels.blocks_bf16_gemm()
-            and "amx_bf16" not in engine_dtype.cpu_flags())  # fmt: skip
+    return kernels.blocks_block_n() == 64 and kernels.blocks_bf16_gemm() and "amx_bf16" not in engine_dtype.cpu_flags()
 
 
 def choose_form(weight: GroupQuantized, dtype: torch.dtype, device: str, gather: bool) -> str:
@@ -125,8 +124,10 @@ class QuantizedLinear(nn.Module):
     def load(self, weight: GroupQuantized, dtype: torch.dtype, device: str = "cpu", gather: bool = False) -> None:
         n, k = weight.shape
         if (n, k) != (self.out_features, self.in_features) or k % weight.group_size:
-            raise ValueError(f"{weight.qtype} weight {(n, k)} does not fit a [{self.out_features}, "
-                             f"{self.in_features}] projection in groups of {weight.group_size}")  # fmt: skip
+            raise ValueError(
+                f"{weight.qtype} weight {(n, k)} does not fit a [{self.out_features}, "
+                f"{self.in_features}] projection in groups of {weight.group_size}"
+            )
         self.form, self.qtype, self.group_size, self.bits = (
             choose_form(weight, dtype, device, gather),
             weight.qtype,
@@ -145,8 +146,11 @@ class QuantizedLinear(nn.Module):
                 _log_once(weight.qtype, dtype, f"int4pack at every row count ({n} rows, layout blocks {block_n})")
         elif self.form == "blocks":
             self.block_n = kernels.blocks_block_n()
-            _log_once(weight.qtype, dtype, f"code blocks of {self.block_n} rows (the C GEMV up to {BLOCKS_GEMV_MAX_M} "
-                      f"rows, the C GEMM above)")  # fmt: skip
+            _log_once(
+                weight.qtype,
+                dtype,
+                f"code blocks of {self.block_n} rows (the C GEMV up to {BLOCKS_GEMV_MAX_M} rows, the C GEMM above)",
+            )
             scales, mins = _exact_pair(weight.scale, weight.min)
             self.register_buffer("codes", kernels.blocks_from_codes(weight.codes, self.block_n, weight.bits))
             self.register_buffer("scales", scales.t().contiguous())  # [G, N]
@@ -168,8 +172,9 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self.form == "int4pack" and (x2.shape[0] <= GEMV_MAX_M or self.block_n is None):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
-                                                           self.scales_zeros)  # fmt: skip
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.contiguous(), self.packed, self.group_size, self.scales_zeros
+            )
         elif self.form == "int4pack":
             y = self._int4pack_dequantized_matmul(x2)
         elif self.form == "blocks":
@@ -202,8 +207,14 @@ class QuantizedLinear(nn.Module):
         for r in range(0, n, chunk):
             cols = slice(r, min(r + chunk, n))
             width = cols.stop - cols.start
-            w_t = kernels.int4pack_dequantize(self.packed, self.scales_zeros, self.group_size, self.block_n,
-                                              cols, out=buffer[: k * width].view(k, width))  # fmt: skip
+            w_t = kernels.int4pack_dequantize(
+                self.packed,
+                self.scales_zeros,
+                self.group_size,
+                self.block_n,
+                cols,
+                out=buffer[: k * width].view(k, width),
+            )
             if y is None:
                 return torch.mm(x, w_t)
             y[:, cols] = torch.mm(x, w_t)

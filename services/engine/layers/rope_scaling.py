@@ -55,8 +55,9 @@ class RopeScaling:
             raise ModelLoadError(f"config.json rope_scaling must be an object, got {scaling!r}")
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ROPE_TYPES:
-            raise ModelLoadError(f"config.json rope_scaling.rope_type {kind!r} is not supported; "
-                                 f"supported: {', '.join(ROPE_TYPES)}")  # fmt: skip
+            raise ModelLoadError(
+                f"config.json rope_scaling.rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
         if kind == "default":
             return None
         kw: dict = {"factor": _number(scaling, "factor", kind, positive=True)}

@@ -53,8 +53,18 @@ def build_model(
             if isinstance(module, RoutedExperts):
                 module.drop_weights()
         select = lambda name: not is_routed_expert_weight(weight_name(name))  # noqa: E731 - scales too
-    return _load(model, cfg, checkpoint, select, dtype, device, show_progress, cfg.architecture, swap_fp8=True,
-                 keep_gguf_quantized=keeps_quantized(checkpoint, quantization, dtype, device))  # fmt: skip
+    return _load(
+        model,
+        cfg,
+        checkpoint,
+        select,
+        dtype,
+        device,
+        show_progress,
+        cfg.architecture,
+        swap_fp8=True,
+        keep_gguf_quantized=keeps_quantized(checkpoint, quantization, dtype, device),
+    )
 
 
 def build_mtp_model(checkpoint: Checkpoint, dtype: str, device: str) -> nn.Module:
@@ -65,19 +75,25 @@ def build_mtp_model(checkpoint: Checkpoint, dtype: str, device: str) -> nn.Modul
 
     cfg = TransformerConfig.from_hf(checkpoint.hf_config)
     if cfg.architecture not in _MTP_ARCHITECTURES:
-        raise ConfigError(f"speculative method 'mtp' needs a model with multi-token-prediction layers "
-                          f"({', '.join(_MTP_ARCHITECTURES)}); {checkpoint.model_id!r} is {cfg.architecture}")  # fmt: skip
+        raise ConfigError(
+            f"speculative method 'mtp' needs a model with multi-token-prediction layers "
+            f"({', '.join(_MTP_ARCHITECTURES)}); {checkpoint.model_id!r} is {cfg.architecture}"
+        )
     if num_mtp_layers(checkpoint.hf_config) < 1:
-        raise ConfigError(f"speculative method 'mtp': {checkpoint.model_id!r} has no multi-token-prediction "
-                          f"layer (config.json num_nextn_predict_layers is "
-                          f"{checkpoint.hf_config.get('num_nextn_predict_layers', 'absent')})")  # fmt: skip
+        raise ConfigError(
+            f"speculative method 'mtp': {checkpoint.model_id!r} has no multi-token-prediction "
+            f"layer (config.json num_nextn_predict_layers is "
+            f"{checkpoint.hf_config.get('num_nextn_predict_layers', 'absent')})"
+        )
     with on_meta_without_init():
         model = DeepseekMTP(cfg)
     prefix = mtp_weight_prefix(checkpoint.hf_config)
     if not any(True for _ in checkpoint.iter_weights(lambda name: name.startswith(prefix))):
-        raise ConfigError(f"speculative method 'mtp': {checkpoint.model_id!r} declares num_nextn_predict_layers "
-                          f"{num_mtp_layers(checkpoint.hf_config)} but has no {prefix}* weights (the MTP layer "
-                          f"was left out of this checkpoint)")  # fmt: skip
+        raise ConfigError(
+            f"speculative method 'mtp': {checkpoint.model_id!r} declares num_nextn_predict_layers "
+            f"{num_mtp_layers(checkpoint.hf_config)} but has no {prefix}* weights (the MTP layer "
+            f"was left out of this checkpoint)"
+        )
     return _load(model, cfg, checkpoint, model.select_weight, dtype, device, False, f"{cfg.architecture} MTP layer")
 
 
@@ -86,8 +102,19 @@ def on_meta_without_init() -> Iterator[None]:
     """Build modules on the meta device without their parameter initialisers (as transformers'
     `no_init_weights`): the weights come from the checkpoint, and an initialiser on a meta tensor
     still goes through torch._refs, whose first use imports torch._dynamo (~1 s per process)."""
-    skipped = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-               "xavier_normal_", "constant_", "zeros_", "ones_", "orthogonal_")  # fmt: skip
+    skipped = (
+        "uniform_",
+        "normal_",
+        "trunc_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "constant_",
+        "zeros_",
+        "ones_",
+        "orthogonal_",
+    )
     saved = {name: getattr(nn.init, name) for name in skipped}
     try:
         for name in skipped:

@@ -63,17 +63,23 @@ def read_fp8_block(hf_config: dict) -> tuple[int, int] | None:
     where = "config.json quantization_config"
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise ModelLoadError(f"{where}: quant_method {method!r} is not supported (moemesh loads 'fp8', "
-                             f"block-scaled e4m3 as in DeepSeek-V3)")  # fmt: skip
+        raise ModelLoadError(
+            f"{where}: quant_method {method!r} is not supported (moemesh loads 'fp8', "
+            f"block-scaled e4m3 as in DeepSeek-V3)"
+        )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"{where}: fmt {qc['fmt']!r} is not supported (only 'e4m3')")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise ModelLoadError(f"{where}: activation_scheme {qc['activation_scheme']!r} is not supported "
-                             f"(only 'dynamic': activations are quantized per token at run time)")  # fmt: skip
+        raise ModelLoadError(
+            f"{where}: activation_scheme {qc['activation_scheme']!r} is not supported "
+            f"(only 'dynamic': activations are quantized per token at run time)"
+        )
     block = qc.get("weight_block_size")
     if block is None:
-        raise ModelLoadError(f"{where}: weight_block_size is missing (per-tensor FP8 is not supported; "
-                             f"block-scaled checkpoints give [block_n, block_k], e.g. [128, 128])")  # fmt: skip
+        raise ModelLoadError(
+            f"{where}: weight_block_size is missing (per-tensor FP8 is not supported; "
+            f"block-scaled checkpoints give [block_n, block_k], e.g. [128, 128])"
+        )
     if (
         not isinstance(block, (list, tuple))
         or len(block) != 2
@@ -81,8 +87,10 @@ def read_fp8_block(hf_config: dict) -> tuple[int, int] | None:
         or block[1] < 16
         or block[1] & (block[1] - 1)
     ):
-        raise ModelLoadError(f"{where}: weight_block_size {block!r} is not supported: it must be "
-                             f"[block_n, block_k], positive, block_k a power of two >= 16 (e.g. [128, 128])")  # fmt: skip
+        raise ModelLoadError(
+            f"{where}: weight_block_size {block!r} is not supported: it must be "
+            f"[block_n, block_k], positive, block_k a power of two >= 16 (e.g. [128, 128])"
+        )
     return int(block[0]), int(block[1])
 
 
@@ -141,13 +149,17 @@ class Fp8Plan:
             elif base + SCALE_SUFFIX in self.names:
                 yield from self._quantized_weight(name, tensor)
             elif tensor.dtype in _FLOAT8_DTYPES:
-                raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype} but the checkpoint has no "
-                                     f"{name + SCALE_SUFFIX!r} to scale it")  # fmt: skip
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} is {tensor.dtype} but the checkpoint has no "
+                    f"{name + SCALE_SUFFIX!r} to scale it"
+                )
             else:
                 target = self._fp8_module_of(name)
                 if target is not None:
-                    raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype} without "
-                                         f"{name + SCALE_SUFFIX!r}, but {target} holds block-FP8 weights")  # fmt: skip
+                    raise ModelLoadError(
+                        f"checkpoint tensor {name!r} is {tensor.dtype} without "
+                        f"{name + SCALE_SUFFIX!r}, but {target} holds block-FP8 weights"
+                    )
                 yield name, tensor.float()
 
     def finish(self) -> None:
@@ -157,17 +169,19 @@ class Fp8Plan:
             missing = need - self._expert_scales[prefix]
             if missing:
                 expert, part = min(missing)
-                raise ModelLoadError(f"checkpoint lacks {f'{prefix}.{expert}.{part}_proj.weight{SCALE_SUFFIX}'!r} "
-                                     f"({len(missing)} routed-expert scale(s) missing)")  # fmt: skip
+                raise ModelLoadError(
+                    f"checkpoint lacks {f'{prefix}.{expert}.{part}_proj.weight{SCALE_SUFFIX}'!r} "
+                    f"({len(missing)} routed-expert scale(s) missing)"
+                )
         for name, parts in self._pending.items():
             missing = name + SCALE_SUFFIX if "weight" in parts else name
-            raise ModelLoadError(f"checkpoint lacks {missing!r} (its {'weight' if 'scale' in parts else 'scale'} "
-                                 f"is there)")  # fmt: skip
+            raise ModelLoadError(
+                f"checkpoint lacks {missing!r} (its {'weight' if 'scale' in parts else 'scale'} is there)"
+            )
 
     def _quantized_weight(self, name: str, tensor: torch.Tensor):
         if tensor.dtype != FP8_DTYPE:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has a scale_inv but is {tensor.dtype}, not "
-                                 f"float8_e4m3fn")  # fmt: skip
+            raise ModelLoadError(f"checkpoint tensor {name!r} has a scale_inv but is {tensor.dtype}, not float8_e4m3fn")
         if name in self.targets:
             yield name, tensor  # float8 as stored: the model's loader copies it into the FP8 module
         else:
@@ -183,8 +197,10 @@ class Fp8Plan:
             return
         expected = self._scale_shape(target)
         if tuple(tensor.shape) != expected:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; with "
-                                 f"weight_block_size {list(self.block)} it must be {expected}")  # fmt: skip
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; with "
+                f"weight_block_size {list(self.block)} it must be {expected}"
+            )
         if isinstance(target, _LinearPart):
             yield name, tensor  # merged with its sibling parts' scales by the model's loader
             return
@@ -206,8 +222,10 @@ class Fp8Plan:
         try:
             yield name, block_dequant_ref(parts["weight"], parts["scale"], self.block)  # float32
         except ValueError as e:
-            raise ModelLoadError(f"checkpoint tensor {name + SCALE_SUFFIX!r} does not fit {name!r} "
-                                 f"{tuple(parts['weight'].shape)} with weight_block_size {list(self.block)}: {e}") from e  # fmt: skip
+            raise ModelLoadError(
+                f"checkpoint tensor {name + SCALE_SUFFIX!r} does not fit {name!r} "
+                f"{tuple(parts['weight'].shape)} with weight_block_size {list(self.block)}: {e}"
+            ) from e
 
     def _scale_shape(self, target: _LinearPart | _ExpertPart) -> tuple[int, int]:
         block_n, block_k = self.block
@@ -267,8 +285,10 @@ def plan_fp8(model: nn.Module, names: Iterable[str], block: tuple[int, int]) -> 
         sizes = _part_sizes(model, path, linear)
         if len(parts) != len(sizes):
             present = next(iter(parts.values()))
-            raise ModelLoadError(f"checkpoint has {present + SCALE_SUFFIX!r} but not the scale_inv of every part "
-                                 f"merged into {path} ({len(parts)} of {len(sizes)}): all or none must be FP8")  # fmt: skip
+            raise ModelLoadError(
+                f"checkpoint has {present + SCALE_SUFFIX!r} but not the scale_inv of every part "
+                f"merged into {path} ({len(parts)} of {len(sizes)}): all or none must be FP8"
+            )
         fp8 = Fp8Linear.like(linear, sizes, block)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, fp8)
@@ -310,8 +330,10 @@ def loaded_tensors(weights: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
     """An unquantized checkpoint: every tensor upcast to float32 (the model casts afterwards)."""
     for name, tensor in weights:
         if tensor.dtype in _FLOAT8_DTYPES:
-            raise ModelLoadError(f"checkpoint tensor {name!r} is {tensor.dtype} but config.json declares no "
-                                 f"quantization_config (block-FP8 needs quant_method 'fp8' and weight_block_size)")  # fmt: skip
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} is {tensor.dtype} but config.json declares no "
+                f"quantization_config (block-FP8 needs quant_method 'fp8' and weight_block_size)"
+            )
         yield name, tensor.float()
 
 

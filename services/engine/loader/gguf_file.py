@@ -80,8 +80,9 @@ def open_gguf(path: str) -> Checkpoint:
                 weight = weight.rows(torch.from_numpy(_unpermute(np.arange(rows), num_kv_heads)))
             yield name, weight
 
-    return Checkpoint(text.hf_config, text.tokenizer, iter_weights, len(reader.tensors), text.model_id,
-                      quantized, read_quantized)  # fmt: skip
+    return Checkpoint(
+        text.hf_config, text.tokenizer, iter_weights, len(reader.tensors), text.model_id, quantized, read_quantized
+    )
 
 
 def _hf_name(gguf_name: str) -> str | None:

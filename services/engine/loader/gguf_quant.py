@@ -35,12 +35,17 @@ def keeps_quantized(checkpoint: Checkpoint, quantization: str, dtype: str, devic
         log.info("GGUF weights dequantized to %s at load: quantized layers run on CPU only", dtype)
         return False
     if quantization == "auto" and dtype == "float32" and not kernels.quantized_kernels_built():
-        log.info("GGUF weights dequantized to float32 at load: no C compiler for the quantized float32 kernels "
-                 "(quantization='gguf' keeps them quantized, dequantizing per call with torch)")  # fmt: skip
+        log.info(
+            "GGUF weights dequantized to float32 at load: no C compiler for the quantized float32 kernels "
+            "(quantization='gguf' keeps them quantized, dequantizing per call with torch)"
+        )
         return False
     if quantization == "auto" and dtype not in ("bfloat16", "float32"):
-        log.info("GGUF weights dequantized to %s at load: the quantized CPU kernels serve bfloat16 and float32 "
-                 "(quantization='gguf' keeps them quantized, dequantizing per call)", dtype)  # fmt: skip
+        log.info(
+            "GGUF weights dequantized to %s at load: the quantized CPU kernels serve bfloat16 and float32 "
+            "(quantization='gguf' keeps them quantized, dequantizing per call)",
+            dtype,
+        )
         return False
     types = sorted(set(checkpoint.quantized.values()))
     log.info("GGUF weights stay quantized (%s) with %s activations", ", ".join(types), dtype)
@@ -100,8 +105,13 @@ def plan_gguf(
         num_parts = sum(merged_name in path + "." for merged_name, _ in stacked.values()) or 1
         types = {quantized[n] for n in parts.values()}
         if len(parts) != num_parts or len(types) != 1:
-            log.info("%s: parts %s of types %s stay dequantized (a merged projection needs every part in one "
-                     "quantized type)", path, sorted(parts), sorted(types))  # fmt: skip
+            log.info(
+                "%s: parts %s of types %s stay dequantized (a merged projection needs every part in one "
+                "quantized type)",
+                path,
+                sorted(parts),
+                sorted(types),
+            )
             continue
         module = QuantizedLinear.like(linear)
         parent, _, child = path.rpartition(".")

@@ -130,6 +130,11 @@ def _block_config(cfg: TransformerConfig, depth: int) -> TransformerConfig:
     hf = cfg.hf_config
     layer = hf["num_hidden_layers"] + depth
     dense = layer < (hf.get("first_k_dense_replace") or 0)
-    block_hf = {**hf, "num_hidden_layers": 1, "first_k_dense_replace": 1 if dense else 0, "vocab_size": 1,
-                "tie_word_embeddings": True}  # fmt: skip
+    block_hf = {
+        **hf,
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 1 if dense else 0,
+        "vocab_size": 1,
+        "tie_word_embeddings": True,
+    }
     return TransformerConfig.from_hf(block_hf)

@@ -64,9 +64,13 @@ class DeepseekV3Attention(nn.Module):
             self.qk_rope_head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling, is_neox_style=not interleaved
         )
         self.attn = MLAAttention(
-            self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank,
+            self.num_heads,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
             scale=qk_head_dim**-0.5 * _softmax_scale_factor(cfg.rope_scaling),
-        )  # fmt: skip
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -122,9 +126,15 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         if self.num_shared_experts:
             shared = LlamaMLP(hidden, self.moe_intermediate_size * self.num_shared_experts)
         return SparseMoE(
-            moe_layer, hidden, self.moe_intermediate_size, self.gating, self.moe_runtime, shared_experts=shared,
-            has_correction_bias=True, float32_logits=True,
-        )  # fmt: skip
+            moe_layer,
+            hidden,
+            self.moe_intermediate_size,
+            self.gating,
+            self.moe_runtime,
+            shared_experts=shared,
+            has_correction_bias=True,
+            float32_logits=True,
+        )
 
     def skip_weight(self, name: str) -> bool:
         m = _LAYER_INDEX.match(name)

@@ -49,14 +49,24 @@ class Int4Decode:
         cos_sin = rope.cos_sin_cache
         int4pack = qkv.form == "int4pack"
         dims = kernels.Int4Dims(
-            hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            intermediate=first.mlp.down_proj.in_features, group=qkv.group_size, block_n=qkv.block_n or 0,
-            num_blocks=attn.attn.k_cache.shape[0], block_size=attn.attn.k_cache.shape[1],
-            max_position=cos_sin.shape[0], rotary_dim=cos_sin.shape[1],
-            format=kernels.INT4_FORMATS[qkv.form], bf16=int(first.input_layernorm.weight.dtype == torch.bfloat16),
-            half=int(not int4pack and qkv.scales.dtype == torch.float16), eps=first.input_layernorm.eps,
-            scale=attn.attn.scale, cos_sin=cos_sin.data_ptr(),
-        )  # fmt: skip
+            hidden=model.cfg.hidden_size,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=first.mlp.down_proj.in_features,
+            group=qkv.group_size,
+            block_n=qkv.block_n or 0,
+            num_blocks=attn.attn.k_cache.shape[0],
+            block_size=attn.attn.k_cache.shape[1],
+            max_position=cos_sin.shape[0],
+            rotary_dim=cos_sin.shape[1],
+            format=kernels.INT4_FORMATS[qkv.form],
+            bf16=int(first.input_layernorm.weight.dtype == torch.bfloat16),
+            half=int(not int4pack and qkv.scales.dtype == torch.float16),
+            eps=first.input_layernorm.eps,
+            scale=attn.attn.scale,
+            cos_sin=cos_sin.data_ptr(),
+        )
         layers = (kernels.Int4Layer * len(stack.layers))()
         for entry, layer in zip(layers, stack.layers):
             a, m = layer.self_attn, layer.mlp
@@ -96,15 +106,26 @@ class Int4Decode:
         hidden = stack.embed_tokens(input_ids).contiguous()  # [1, hidden]
         residual = torch.empty_like(hidden)
         table = meta.block_tables[0]
-        kernels.int4_llama_decode_token(self.dims, self.layers, hidden, residual, int(positions[0]),
-                                        int(meta.slot_mapping[0]), table if table.is_contiguous() else
-                                        table.contiguous(), int(meta.context_lens[0]))  # fmt: skip
+        kernels.int4_llama_decode_token(
+            self.dims,
+            self.layers,
+            hidden,
+            residual,
+            int(positions[0]),
+            int(meta.slot_mapping[0]),
+            table if table.is_contiguous() else table.contiguous(),
+            int(meta.context_lens[0]),
+        )
         return stack.norm(hidden, residual)[0]
 
 
 # (projection form, activation dtype) pairs the C call reads
-_READS = {("int4pack", torch.bfloat16), ("nibbles", torch.float32), ("blocks", torch.float32),
-          ("blocks", torch.bfloat16)}  # fmt: skip
+_READS = {
+    ("int4pack", torch.bfloat16),
+    ("nibbles", torch.float32),
+    ("blocks", torch.float32),
+    ("blocks", torch.bfloat16),
+}
 
 
 def _unsupported(model: nn.Module) -> str | None:
@@ -117,8 +138,12 @@ def _unsupported(model: nn.Module) -> str | None:
     layouts = set()
     for layer in layers:
         a, m = layer.self_attn, getattr(layer, "mlp", None)
-        projections = [getattr(a, "qkv_proj", None), getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
-                       getattr(m, "down_proj", None)]  # fmt: skip
+        projections = [
+            getattr(a, "qkv_proj", None),
+            getattr(a, "o_proj", None),
+            getattr(m, "gate_up_proj", None),
+            getattr(m, "down_proj", None),
+        ]
         if not all(isinstance(p, QuantizedLinear) and _readable(p) for p in projections):
             return "a projection is not 4-bit in a layout the C code reads"
         layouts |= {_layout(p) for p in projections}

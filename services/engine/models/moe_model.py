@@ -137,8 +137,10 @@ class MoEForCausalLM(nn.Module):
             num_experts = params[target].shape[0]
             need = {(e, s) for e in range(num_experts) for s in ((0, 1) if target.endswith(".w13") else (None,))}
             if need - parts:
-                raise ValueError(f"checkpoint lacks {len(need - parts)} expert slice(s) of {target}, e.g. "
-                                 f"expert {sorted(need - parts, key=str)[0][0]}")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint lacks {len(need - parts)} expert slice(s) of {target}, e.g. "
+                    f"expert {sorted(need - parts, key=str)[0][0]}"
+                )
             loaded.add(target)
         unloaded = {name for name in set(params) - loaded if params[name].numel()}  # dropped experts: empty
         if unloaded:

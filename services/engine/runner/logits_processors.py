@@ -94,9 +94,13 @@ class LogitsAdjustments:
             logits.index_put_((self.bias_rows, self.bias_token_ids), self.bias_values, accumulate=True)
         if len(self.penalty_rows):
             logits[self.penalty_rows] = apply_penalties(
-                logits[self.penalty_rows], self.prompt_token_ids, self.output_token_ids,
-                self.presence, self.frequency, self.repetition,
-            )  # fmt: skip
+                logits[self.penalty_rows],
+                self.prompt_token_ids,
+                self.output_token_ids,
+                self.presence,
+                self.frequency,
+                self.repetition,
+            )
         return logits
 
 

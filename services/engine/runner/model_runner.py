@@ -134,9 +134,15 @@ class ModelRunner:
                 )
             generator = self._request_generator(new.sampling_params, new.num_output_tokens)
             self.requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.token_ids), new.sampling_params, list(new.block_ids),
-                new.num_computed_tokens, generator, len(new.token_ids) - new.num_output_tokens, new.eos_token_id,
-            )  # fmt: skip
+                new.request_id,
+                list(new.token_ids),
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                generator,
+                len(new.token_ids) - new.num_output_tokens,
+                new.eos_token_id,
+            )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -216,8 +222,10 @@ class ModelRunner:
             state.num_computed_tokens += int(n)
         output = ModelRunnerOutput()
         if self.keep_hidden_states:
-            output.hidden_states = {r: TargetHiddenStates(int(a), hidden[int(b) : int(c)])
-                                    for r, a, b, c in zip(order, starts, cu[:-1], cu[1:])}  # fmt: skip
+            output.hidden_states = {
+                r: TargetHiddenStates(int(a), hidden[int(b) : int(c)])
+                for r, a, b, c in zip(order, starts, cu[:-1], cu[1:])
+            }
         if len(plain_rows):
             logits = self.model.compute_logits(
                 hidden[self._tensor(cu[1:][plain_rows] - 1)]
@@ -226,8 +234,9 @@ class ModelRunner:
             self.structured_outputs.apply_bitmask(logits, [s.request_id for s in plain_states])
             self._collect(plain_states, self.sampler(logits, self._sampling_tensors(plain_states)), output)
         if len(spec_rows):
-            self._verify([states[i] for i in spec_rows], [spec[order[i]] for i in spec_rows],
-                         hidden, cu[1:][spec_rows], output)  # fmt: skip
+            self._verify(
+                [states[i] for i in spec_rows], [spec[order[i]] for i in spec_rows], hidden, cu[1:][spec_rows], output
+            )
         return output
 
     def _overlap_micro_batches(self) -> bool | OverlapTuner:
@@ -244,17 +253,29 @@ class ModelRunner:
         c = int(cu[k])
         num_decode_a = min(k, meta.num_decode_reqs)
         halves = [
-            MicroBatch(ids[:c], pos[:c], AttentionMetadata(
-                slot_mapping=meta.slot_mapping[:c], cu_seqlens_q=meta.cu_seqlens_q[: k + 1],
-                context_lens=meta.context_lens[:k], block_tables=meta.block_tables[:k],
-                num_decode_reqs=num_decode_a,
-            )),
-            MicroBatch(ids[c:], pos[c:], AttentionMetadata(
-                slot_mapping=meta.slot_mapping[c:], cu_seqlens_q=self._tensor(cu[k:] - c, torch.int32),
-                context_lens=meta.context_lens[k:], block_tables=meta.block_tables[k:],
-                num_decode_reqs=meta.num_decode_reqs - num_decode_a,
-            )),
-        ]  # fmt: skip
+            MicroBatch(
+                ids[:c],
+                pos[:c],
+                AttentionMetadata(
+                    slot_mapping=meta.slot_mapping[:c],
+                    cu_seqlens_q=meta.cu_seqlens_q[: k + 1],
+                    context_lens=meta.context_lens[:k],
+                    block_tables=meta.block_tables[:k],
+                    num_decode_reqs=num_decode_a,
+                ),
+            ),
+            MicroBatch(
+                ids[c:],
+                pos[c:],
+                AttentionMetadata(
+                    slot_mapping=meta.slot_mapping[c:],
+                    cu_seqlens_q=self._tensor(cu[k:] - c, torch.int32),
+                    context_lens=meta.context_lens[k:],
+                    block_tables=meta.block_tables[k:],
+                    num_decode_reqs=meta.num_decode_reqs - num_decode_a,
+                ),
+            ),
+        ]
         return torch.cat(self.model.forward_micro_batches(halves))  # [num_tokens, hidden]
 
     def _verify(self, states, drafts: list[list[int]], hidden, ends: np.ndarray, output: ModelRunnerOutput) -> None:
@@ -271,8 +292,9 @@ class ModelRunner:
         for r, d in enumerate(drafts):
             draft_ids[r, : len(d)] = d
         greedy = torch.tensor([s.sampling_params.greedy for s in states], device=self.device)
-        result = verify_drafts(probs, self._tensor(draft_ids), self._tensor(num_drafts), greedy,
-                               generator=self.sampler.generator)  # fmt: skip
+        result = verify_drafts(
+            probs, self._tensor(draft_ids), self._tensor(num_drafts), greedy, generator=self.sampler.generator
+        )
         for state, token_ids, k in zip(states, result.token_ids, num_drafts):
             state.token_ids.extend(token_ids)
             state.num_computed_tokens -= int(k) - (len(token_ids) - 1)  # rejected drafts' KV is stale

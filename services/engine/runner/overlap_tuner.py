@@ -65,8 +65,11 @@ class OverlapTuner:
 
     def chosen(self) -> dict[RoundShape, bool]:
         """The mode of each fully measured shape (benchmarks, logs)."""
-        return {shape: _median(s.seconds[True]) <= _median(s.seconds[False])
-                for shape, s in self._stats.items() if not self.measuring(shape)}  # fmt: skip
+        return {
+            shape: _median(s.seconds[True]) <= _median(s.seconds[False])
+            for shape, s in self._stats.items()
+            if not self.measuring(shape)
+        }
 
 
 def _median(values: list[float]) -> float:

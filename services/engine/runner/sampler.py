@@ -34,9 +34,18 @@ class SamplingTensors:
         """Each row n times in a row (one per verified position of a speculating request)."""
         assert self.adjustments is None, "requests that adjust their logits are not speculated"
         rep = lambda x: x.repeat_interleave(n)  # noqa: E731
-        return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p), {},
-                               self.all_greedy, self.need_top_k, self.need_top_p, self.need_min_p,
-                               self.max_num_logprobs)  # fmt: skip
+        return SamplingTensors(
+            rep(self.temperature),
+            rep(self.top_k),
+            rep(self.top_p),
+            rep(self.min_p),
+            {},
+            self.all_greedy,
+            self.need_top_k,
+            self.need_top_p,
+            self.need_min_p,
+            self.max_num_logprobs,
+        )
 
 
 @dataclass

@@ -112,8 +112,9 @@ class SpecDecoder:
         if self.config.scheduling == "confidence" and self.cost is not None:
             confidences = {rid: p.confidences for rid, p in proposals.items()}
             confidences.update({rid: [] for rid in candidates if rid not in proposals})
-            lengths = schedule_draft_lengths(confidences, self.cost, num_other_tokens=len(running) - len(candidates),
-                                             draft_seconds=draft_seconds)  # fmt: skip
+            lengths = schedule_draft_lengths(
+                confidences, self.cost, num_other_tokens=len(running) - len(candidates), draft_seconds=draft_seconds
+            )
         else:
             lengths = {rid: len(p.token_ids) for rid, p in proposals.items()}
         for rid, proposal in proposals.items():

@@ -71,14 +71,17 @@ class RemoteExperts:
         remote = RemotePlacement(placement)
         num_layers, num_experts = len(model.moe_layer_ids), model.moe_layers()[0].gating.num_experts
         if (remote.num_layers, remote.num_experts) != (num_layers, num_experts):
-            raise ModelLoadError(f"the active placement {placement.version} covers {remote.num_layers} MoE layers x "
-                                 f"{remote.num_experts} experts; this model has {num_layers} x {num_experts}")  # fmt: skip
+            raise ModelLoadError(
+                f"the active placement {placement.version} covers {remote.num_layers} MoE layers x "
+                f"{remote.num_experts} experts; this model has {num_layers} x {num_experts}"
+            )
         self._endpoints = await asyncio.to_thread(self._read_endpoints)
         transport = make_transport(
             self.settings.transport, self._endpoints, self.host, self.settings.dist_backend, self.settings.busy_poll_s
         )
-        executor = RemoteExpertExecutor(transport, remote, self.settings.call_timeout_s, self.settings.retry_down_s,
-                                        on_error="record")  # fmt: skip
+        executor = RemoteExpertExecutor(
+            transport, remote, self.settings.call_timeout_s, self.settings.retry_down_s, on_error="record"
+        )
         await engine.call(lambda e: e.model.set_expert_executor(executor))
         self.executor, self._engine = executor, engine
         logger.info("remote experts: placement %d over %d expert workers", placement.version, len(remote.worker_ids))
@@ -91,8 +94,9 @@ class RemoteExperts:
                 await self._refresh()
             except redis.RedisError as e:
                 if not warned:
-                    logger.warning("remote experts: Redis unreachable (%s); keeping placement %d", e,
-                                   self.executor.version)  # fmt: skip
+                    logger.warning(
+                        "remote experts: Redis unreachable (%s); keeping placement %d", e, self.executor.version
+                    )
                     warned = True
             else:
                 warned = False

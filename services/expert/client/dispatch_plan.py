@@ -81,11 +81,18 @@ def split_by_worker(entries: SortedEntries, slot_owner: np.ndarray, num_tokens: 
         begin, end = bounds[i], bounds[i + 1]
         token_ids, row_ids = token_rows(entries.tokens[begin:end], num_tokens)
         starts = group_starts[first:last]
-        batches.append(WorkerBatch(
-            worker=int(group_owners[first]), positions=np.arange(begin, end), token_ids=token_ids, row_ids=row_ids,
-            slots=replicas[starts], experts=entries.experts[starts], group_sizes=group_sizes[first:last],
-            span=(begin, end),
-        ))  # fmt: skip
+        batches.append(
+            WorkerBatch(
+                worker=int(group_owners[first]),
+                positions=np.arange(begin, end),
+                token_ids=token_ids,
+                row_ids=row_ids,
+                slots=replicas[starts],
+                experts=entries.experts[starts],
+                group_sizes=group_sizes[first:last],
+                span=(begin, end),
+            )
+        )
     return batches
 
 
@@ -144,10 +151,17 @@ def group_by_worker(
         mine = np.flatnonzero(owners == worker)  # still sorted by replica
         slots, starts, sizes = np.unique(replicas[mine], return_index=True, return_counts=True)
         token_ids, row_ids = np.unique(tokens[mine], return_inverse=True)
-        batches.append(WorkerBatch(
-            worker=int(worker), positions=positions[mine], token_ids=token_ids, row_ids=row_ids.reshape(-1),
-            slots=slots, experts=experts[mine][starts], group_sizes=sizes,
-        ))  # fmt: skip
+        batches.append(
+            WorkerBatch(
+                worker=int(worker),
+                positions=positions[mine],
+                token_ids=token_ids,
+                row_ids=row_ids.reshape(-1),
+                slots=slots,
+                experts=experts[mine][starts],
+                group_sizes=sizes,
+            )
+        )
     return batches
 
 

@@ -94,10 +94,16 @@ def _request(layer: int, placement: RemotePlacement, x, weights, batch: WorkerBa
     rows = x if batch.token_ids.size == x.shape[0] else gather_rows(x, batch.token_ids)  # all tokens: as is
     entry_weights = weights[slice(*batch.span)] if batch.span else weights[torch.from_numpy(batch.positions)]
     return ExpertRequest(
-        layer, placement.version, rows, batch.slots.astype(np.int32, copy=False),
-        batch.experts.astype(np.int32, copy=False), batch.group_sizes.astype(np.int32, copy=False),
-        batch.row_ids.astype(np.int32, copy=False), entry_weights, outputs_in_input_dtype=sole,
-    )  # fmt: skip
+        layer,
+        placement.version,
+        rows,
+        batch.slots.astype(np.int32, copy=False),
+        batch.experts.astype(np.int32, copy=False),
+        batch.group_sizes.astype(np.int32, copy=False),
+        batch.row_ids.astype(np.int32, copy=False),
+        entry_weights,
+        outputs_in_input_dtype=sole,
+    )
 
 
 class RemoteExpertExecutor(ExpertExecutor):
@@ -193,10 +199,12 @@ class RemoteExpertExecutor(ExpertExecutor):
         # route around workers that failed recently (stranded entries try anyway); none: no lookup
         slot_down = self._slot_down(placement) if self._down_until else None
         if slot_down is not None and slot_down.any():
-            replicas, _ = reroute(replicas, entries.experts, slot_down, placement.log2phy_np[layer],
-                                  placement.replica_counts_np[layer])  # fmt: skip
-            batches = group_by_worker(replicas, entries.experts, entries.tokens, np.arange(replicas.size),
-                                      placement.slot_owner)  # fmt: skip
+            replicas, _ = reroute(
+                replicas, entries.experts, slot_down, placement.log2phy_np[layer], placement.replica_counts_np[layer]
+            )
+            batches = group_by_worker(
+                replicas, entries.experts, entries.tokens, np.arange(replicas.size), placement.slot_owner
+            )
         x = hidden_states.detach().cpu()  # [num_tokens, hidden]
         # one worker serves every entry: its partial is the output, rounded to x's dtype over there
         sole = len(batches) == 1 and batches[0].token_ids.size == num_tokens and x.dtype != torch.float32
@@ -269,8 +277,13 @@ class RemoteExpertExecutor(ExpertExecutor):
 
     def _redispatch(self, layer, placement: RemotePlacement, entries, replicas, failed) -> list[WorkerBatch]:
         positions = np.concatenate([batch.positions for batch, _ in failed])
-        moved, stranded = reroute(replicas[positions], entries.experts[positions], self._slot_down(placement),
-                                  placement.log2phy_np[layer], placement.replica_counts_np[layer])  # fmt: skip
+        moved, stranded = reroute(
+            replicas[positions],
+            entries.experts[positions],
+            self._slot_down(placement),
+            placement.log2phy_np[layer],
+            placement.replica_counts_np[layer],
+        )
         if stranded:
             errors = "; ".join(str(e) for _, e in failed)
             raise ExpertUnavailableError(
@@ -279,8 +292,9 @@ class RemoteExpertExecutor(ExpertExecutor):
             )
         replicas[positions] = moved
         self.num_rerouted_entries += int(positions.size)
-        return group_by_worker(moved, entries.experts[positions], entries.tokens[positions], positions,
-                               placement.slot_owner)  # fmt: skip
+        return group_by_worker(
+            moved, entries.experts[positions], entries.tokens[positions], positions, placement.slot_owner
+        )
 
     def _slot_down(self, placement: RemotePlacement) -> np.ndarray:  # [num_slots] bool
         now = self.clock()

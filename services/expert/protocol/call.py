@@ -53,12 +53,15 @@ def _int32(values) -> np.ndarray:
 
 def request_to_proto(request: ExpertRequest) -> expert_pb2.RunExpertsRequest:
     message = expert_pb2.RunExpertsRequest(
-        layer=request.layer, placement_version=request.placement_version,
+        layer=request.layer,
+        placement_version=request.placement_version,
         hidden_states=tensor_to_proto(request.hidden_states),
-        group_slots=request.group_slots.tolist(), group_experts=request.group_experts.tolist(),
-        group_rows=request.group_rows.tolist(), row_ids=request.row_ids.tolist(),
+        group_slots=request.group_slots.tolist(),
+        group_experts=request.group_experts.tolist(),
+        group_rows=request.group_rows.tolist(),
+        row_ids=request.row_ids.tolist(),
         outputs_in_input_dtype=request.outputs_in_input_dtype,
-    )  # fmt: skip
+    )
     if request.entry_weights is not None:
         message.entry_weights.CopyFrom(tensor_to_proto(request.entry_weights))
     return message
@@ -69,10 +72,17 @@ def request_from_proto(message: expert_pb2.RunExpertsRequest) -> ExpertRequest:
     weights = None
     if message.HasField("entry_weights"):
         weights = tensor_from_proto(message.entry_weights, "entry_weights", ndim=1)
-    return ExpertRequest(message.layer, message.placement_version,
-                         tensor_from_proto(message.hidden_states, "hidden_states", ndim=2),
-                         _int32(message.group_slots), _int32(message.group_experts), _int32(message.group_rows),
-                         _int32(message.row_ids), weights, message.outputs_in_input_dtype)  # fmt: skip
+    return ExpertRequest(
+        message.layer,
+        message.placement_version,
+        tensor_from_proto(message.hidden_states, "hidden_states", ndim=2),
+        _int32(message.group_slots),
+        _int32(message.group_experts),
+        _int32(message.group_rows),
+        _int32(message.row_ids),
+        weights,
+        message.outputs_in_input_dtype,
+    )
 
 
 def reply_to_proto(reply: ExpertReply) -> expert_pb2.RunExpertsResponse:

@@ -35,8 +35,10 @@ def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"torch-dist backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
-        raise ValueError("torch-dist backend nccl needs a CUDA build of torch with NCCL and a GPU; this process has "
-                         f"torch {torch.__version__} and {torch.cuda.device_count()} GPUs (use gloo)")  # fmt: skip
+        raise ValueError(
+            "torch-dist backend nccl needs a CUDA build of torch with NCCL and a GPU; this process has "
+            f"torch {torch.__version__} and {torch.cuda.device_count()} GPUs (use gloo)"
+        )
 
 
 def device_for(backend: str) -> torch.device:

@@ -55,8 +55,11 @@ class RequestHeader(NamedTuple):  # a tuple: built on every frame's cold path, c
 
     @property
     def payload_bytes(self) -> int:
-        return (self.num_tokens * self.hidden * self.dtype.itemsize + 4 * (3 * self.num_groups + self.num_entries)
-                + 4 * self.num_entries * self.has_weights)  # fmt: skip
+        return (
+            self.num_tokens * self.hidden * self.dtype.itemsize
+            + 4 * (3 * self.num_groups + self.num_entries)
+            + 4 * self.num_entries * self.has_weights
+        )
 
 
 class ReplyHeader(NamedTuple):
@@ -108,11 +111,23 @@ def encode_request(sequence_id: int, request: ExpertRequest) -> list:
     x, weights = request.hidden_states, request.entry_weights
     if x.dtype not in DTYPE_CODES:
         raise ValueError(f"hidden_states of dtype {x.dtype} cannot be sent; use one of {list(DTYPE_CODES)}")
-    arrays = [np.ascontiguousarray(a, dtype="<i4") for a in
-              (request.group_slots, request.group_experts, request.group_rows, request.row_ids)]  # fmt: skip
-    header = REQUEST.pack(REQUEST_MAGIC, sequence_id, request.layer, request.placement_version, DTYPE_CODES[x.dtype],
-                          weights is not None, request.outputs_in_input_dtype, x.shape[0], x.shape[1],
-                          arrays[0].size, arrays[3].size)  # fmt: skip
+    arrays = [
+        np.ascontiguousarray(a, dtype="<i4")
+        for a in (request.group_slots, request.group_experts, request.group_rows, request.row_ids)
+    ]
+    header = REQUEST.pack(
+        REQUEST_MAGIC,
+        sequence_id,
+        request.layer,
+        request.placement_version,
+        DTYPE_CODES[x.dtype],
+        weights is not None,
+        request.outputs_in_input_dtype,
+        x.shape[0],
+        x.shape[1],
+        arrays[0].size,
+        arrays[3].size,
+    )
     buffers = [header, _bytes_of(x), *(memoryview(a) for a in arrays)]
     if weights is not None:
         buffers.append(_bytes_of(weights.float()))

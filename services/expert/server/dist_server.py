@@ -44,8 +44,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)  # a peer that asked for a g
 
 
 class DistDataPlane:
-    def __init__(self, host: str, worker_id: str,
-                 answer: Callable[[ExpertRequest], ExpertReply]):  # fmt: skip
+    def __init__(self, host: str, worker_id: str, answer: Callable[[ExpertRequest], ExpertReply]):
         self.host, self.worker_id, self._answer = host, worker_id, answer
         self._store: dist.TCPStore | None = None
         self._sessions: set[str] = set()
@@ -63,8 +62,12 @@ class DistDataPlane:
             if self._store is None:
                 self._store = dist.TCPStore(self.host, 0, None, True, RENDEZVOUS_TIMEOUT, wait_for_workers=False)
             store = self._store
-        thread = threading.Thread(target=self._serve, args=(dist.PrefixStore(session, store), session, backend),
-                                  name=f"moemesh-dist-{session[:8]}", daemon=True)  # fmt: skip
+        thread = threading.Thread(
+            target=self._serve,
+            args=(dist.PrefixStore(session, store), session, backend),
+            name=f"moemesh-dist-{session[:8]}",
+            daemon=True,
+        )
         thread.start()
         return store.port
 

@@ -71,8 +71,9 @@ class ExpertWorker:
         self.redis = redis_client.connect(settings.mesh.redis_url, settings.mesh.redis_password)
         self.placements = PlacementStore(self.redis, settings.mesh.mesh)
         model_name = served_model_name(settings.served_model_name, settings.engine.model or default_model_path())
-        self.metrics = ExpertMetrics(model_name, settings.worker_id, lambda: (self.servicer.total_counts,
-                                                                                 self.active_version))  # fmt: skip
+        self.metrics = ExpertMetrics(
+            model_name, settings.worker_id, lambda: (self.servicer.total_counts, self.active_version)
+        )
         self.servicer = ExpertServicer(self.replicas, self._status, settings.engine.num_threads, clock, self.metrics)
         self.active_version = 0
         self._serving = False
@@ -101,11 +102,20 @@ class ExpertWorker:
         metrics_server = None
         if s.metrics_port is not None:
             metrics_server, _ = start_http_server(s.metrics_port, addr=s.host, registry=self.metrics.registry)
-        logger.info("expert worker %s listening on %s:%d (%s, %d MoE layers x %d experts)", s.worker_id, s.host, port,
-                    self.shape.architecture, self.shape.num_layers, self.shape.num_experts)  # fmt: skip
-        tasks = [asyncio.create_task(self._every(s.mesh.heartbeat_ttl_s / 3, self._heartbeat)),
-                 asyncio.create_task(self._every(s.expert.placement_poll_s, self._sync_placement)),
-                 asyncio.create_task(self._every(s.expert.load_window_s, self._publish_load, first_delay=True))]  # fmt: skip
+        logger.info(
+            "expert worker %s listening on %s:%d (%s, %d MoE layers x %d experts)",
+            s.worker_id,
+            s.host,
+            port,
+            self.shape.architecture,
+            self.shape.num_layers,
+            self.shape.num_experts,
+        )
+        tasks = [
+            asyncio.create_task(self._every(s.mesh.heartbeat_ttl_s / 3, self._heartbeat)),
+            asyncio.create_task(self._every(s.expert.placement_poll_s, self._sync_placement)),
+            asyncio.create_task(self._every(s.expert.load_window_s, self._publish_load, first_delay=True)),
+        ]
         try:
             await stop.wait()
         finally:
@@ -119,8 +129,9 @@ class ExpertWorker:
         current, latest = await asyncio.to_thread(lambda: (store.current_version(), store.latest_version()))
         if not latest and self.active_version:  # nothing stored (current <= latest): Redis lost it
             if not self._placement_lost:
-                logger.warning("no placement in Redis (restarted?); serving placement %d until one is stored",
-                               self.active_version)  # fmt: skip
+                logger.warning(
+                    "no placement in Redis (restarted?); serving placement %d until one is stored", self.active_version
+                )
                 self._placement_lost = True
             return
         self._placement_lost = False
@@ -136,8 +147,12 @@ class ExpertWorker:
                     logger.error("placement %d rejected: %s", version, e)
                     self._rejected.add(version)
                     continue
-                logger.info("placement %d: loaded %d replicas in %.2f s", version, hosted.slots.size,
-                            time.perf_counter() - started)  # fmt: skip
+                logger.info(
+                    "placement %d: loaded %d replicas in %.2f s",
+                    version,
+                    hosted.slots.size,
+                    time.perf_counter() - started,
+                )
             hosted = self.replicas.get(version)
             if version > current and hosted is not None and version not in self._marked:
                 if self.settings.worker_id in hosted.placement.worker_ids:
@@ -169,17 +184,23 @@ class ExpertWorker:
     # -- registry and telemetry ------------------------------------------------------------
     async def _heartbeat(self) -> None:
         s = self.settings
-        record = registry.WorkerRecord(worker_id=s.worker_id, role="expert", endpoint=s.endpoint, model=self.model_id,
-                                       num_running=self.servicer.num_in_flight,
-                                       num_experts_held=len(self.replicas.hosted_experts()))  # fmt: skip
+        record = registry.WorkerRecord(
+            worker_id=s.worker_id,
+            role="expert",
+            endpoint=s.endpoint,
+            model=self.model_id,
+            num_running=self.servicer.num_in_flight,
+            num_experts_held=len(self.replicas.hosted_experts()),
+        )
         await asyncio.to_thread(registry.heartbeat, self.redis, s.mesh.mesh, record, s.mesh.heartbeat_ttl_s)
 
     async def _publish_load(self) -> None:
         s = self.settings
         counts = self.servicer.take_window()
         ttl = max(DEFAULT_TTL_S, 3 * s.expert.load_window_s)
-        await asyncio.to_thread(publish_expert_load, self.redis, s.mesh.mesh, s.worker_id, counts,
-                                s.expert.load_window_s, ttl)  # fmt: skip
+        await asyncio.to_thread(
+            publish_expert_load, self.redis, s.mesh.mesh, s.worker_id, counts, s.expert.load_window_s, ttl
+        )
 
     async def _every(self, interval_s: float, fn, first_delay: bool = False) -> None:
         if first_delay:
@@ -197,18 +218,28 @@ class ExpertWorker:
 
     def _status(self) -> expert_pb2.ExpertStatus:
         status = expert_pb2.ExpertStatus(
-            worker_id=self.settings.worker_id, model_id=self.model_id, dtype=self.dtype_name,
-            num_moe_layers=self.shape.num_layers, num_experts=self.shape.num_experts, serving=self._serving,
-            active_version=self.active_version, loaded_versions=self.replicas.versions(),
-            num_in_flight=self.servicer.num_in_flight, expert_tokens=self.servicer.total_counts.reshape(-1).tolist(),
-        )  # fmt: skip
+            worker_id=self.settings.worker_id,
+            model_id=self.model_id,
+            dtype=self.dtype_name,
+            num_moe_layers=self.shape.num_layers,
+            num_experts=self.shape.num_experts,
+            serving=self._serving,
+            active_version=self.active_version,
+            loaded_versions=self.replicas.versions(),
+            num_in_flight=self.servicer.num_in_flight,
+            expert_tokens=self.servicer.total_counts.reshape(-1).tolist(),
+        )
         for version in self.replicas.versions():
             hosted = self.replicas.get(version)
             for layer in range(hosted.token_counts.shape[0]):
                 for i, slot in enumerate(hosted.slots):
-                    status.replicas.add(version=version, layer=layer, slot=int(slot),
-                                        expert=int(hosted.placement.phy2log[layer, slot]),
-                                        num_tokens=int(hosted.token_counts[layer, i]))  # fmt: skip
+                    status.replicas.add(
+                        version=version,
+                        layer=layer,
+                        slot=int(slot),
+                        expert=int(hosted.placement.phy2log[layer, slot]),
+                        num_tokens=int(hosted.token_counts[layer, i]),
+                    )
         for layer, expert in sorted(self.replicas.hosted_experts()):
             status.hosted_experts.add(layer=layer, expert=expert)
         return status
@@ -223,8 +254,13 @@ class ExpertWorker:
         mesh = s.mesh.mesh
         try:
             await asyncio.to_thread(registry.deregister, self.redis, mesh, s.worker_id)
-            await asyncio.to_thread(redis_keys.drop_expiring, self.redis, redis_keys.expert_load_index_key(mesh),
-                                    s.worker_id, redis_keys.expert_load_key(mesh, s.worker_id))  # fmt: skip
+            await asyncio.to_thread(
+                redis_keys.drop_expiring,
+                self.redis,
+                redis_keys.expert_load_index_key(mesh),
+                s.worker_id,
+                redis_keys.expert_load_key(mesh, s.worker_id),
+            )
         except redis.RedisError:
             pass
         self.servicer.stop_streams()

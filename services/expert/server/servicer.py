@@ -72,22 +72,27 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
     built; the numpy checks (`_check_groups`) name what is wrong, and are the path without it."""
     hosted = store.get(request.placement_version)
     if hosted is None:
-        raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"placement version {request.placement_version} is not loaded on expert worker "
-                        f"{store.worker_id} (loaded: {store.versions()})")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"placement version {request.placement_version} is not loaded on expert worker "
+            f"{store.worker_id} (loaded: {store.versions()})",
+        )
     shape = store.shape
     if not 0 <= request.layer < shape.num_layers:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} is not in [0, {shape.num_layers})")
     x = request.hidden_states
     if x.dim() != 2 or x.shape[1] != shape.hidden_size:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"hidden_states are {list(x.shape)}, expected [num_tokens, {shape.hidden_size}] (the model's "
-                        "hidden size)")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"hidden_states are {list(x.shape)}, expected [num_tokens, {shape.hidden_size}] (the model's hidden size)",
+        )
     slots, experts, sizes = request.group_slots, request.group_experts, request.group_rows
     if not slots.size == experts.size == sizes.size:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"group_slots, group_experts and group_rows must have one value per group, got "
-                        f"{slots.size}, {experts.size} and {sizes.size}")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"group_slots, group_experts and group_rows must have one value per group, got "
+            f"{slots.size}, {experts.size} and {sizes.size}",
+        )
     # one C pass (None without the C library); what it finds wrong, the numpy checks below name
     phy2log, num_rows = hosted.placement.phy2log[request.layer], x.shape[0]
     checked = kernels.check_expert_groups(slots, experts, sizes, request.row_ids, num_rows, hosted.local_index, phy2log)
@@ -96,12 +101,14 @@ def parse_call(store: ReplicaStore, request: ExpertRequest) -> ParsedCall:
     group_local, group_rows, row_ids = checked
     weights = request.entry_weights
     if weights is not None and (weights.dtype != torch.float32 or tuple(weights.shape) != (row_ids.size,)):
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} "
-                        f"{list(weights.shape)}")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"entry_weights must be float32 [{row_ids.size}], got {weights.dtype} {list(weights.shape)}",
+        )
     combined_dtype = x.dtype if request.outputs_in_input_dtype else torch.float32
-    return ParsedCall(hosted, request.layer, x, torch.from_numpy(row_ids), group_local, group_rows, weights,
-                      combined_dtype)  # fmt: skip
+    return ParsedCall(
+        hosted, request.layer, x, torch.from_numpy(row_ids), group_local, group_rows, weights, combined_dtype
+    )
 
 
 def _check_groups(store: ReplicaStore, hosted: HostedVersion, request: ExpertRequest):
@@ -109,24 +116,29 @@ def _check_groups(store: ReplicaStore, hosted: HostedVersion, request: ExpertReq
     slots, experts, sizes, x = request.group_slots, request.group_experts, request.group_rows, request.hidden_states
     placement = hosted.placement
     if _out_of(slots, 0, placement.num_slots) or (sizes.size and int(sizes.min()) < 0):
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"groups name slots outside [0, {placement.num_slots}) "
-                                                          "or negative row counts")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"groups name slots outside [0, {placement.num_slots}) or negative row counts",
+        )
     local = hosted.local_index[slots]
     if _out_of(local, 0, hosted.slots.size):
-        raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"slots {slots[local < 0].tolist()} are not expert worker {store.worker_id}'s in placement "
-                        f"{hosted.version}")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"slots {slots[local < 0].tolist()} are not expert worker {store.worker_id}'s in placement "
+            f"{hosted.version}",
+        )
     held = placement.phy2log[request.layer, slots]
     if not np.array_equal(held, experts):
         bad = int(np.flatnonzero(held != experts)[0])
-        raise CallError(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"slot {slots[bad]} holds expert {held[bad]} in layer {request.layer} of placement "
-                        f"{hosted.version}, not {experts[bad]}")  # fmt: skip
+        raise CallError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"slot {slots[bad]} holds expert {held[bad]} in layer {request.layer} of placement "
+            f"{hosted.version}, not {experts[bad]}",
+        )
     row_ids = request.row_ids
     num_entries = int(sizes.sum(dtype=np.int64))
     if row_ids.size != num_entries:
-        raise CallError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{row_ids.size} row ids for groups of {num_entries} rows")  # fmt: skip
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"{row_ids.size} row ids for groups of {num_entries} rows")
     if _out_of(row_ids, 0, x.shape[0]):
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must be in [0, {x.shape[0]})")
     return local.astype(np.int64), sizes.astype(np.int64), row_ids.astype(np.int64)
@@ -161,9 +173,14 @@ def decode_request(message: expert_pb2.RunExpertsRequest) -> ExpertRequest:
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
-    def __init__(self, store: ReplicaStore, status: Callable[[], expert_pb2.ExpertStatus],
-                 num_threads: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 metrics: ExpertMetrics | None = None):  # fmt: skip
+    def __init__(
+        self,
+        store: ReplicaStore,
+        status: Callable[[], expert_pb2.ExpertStatus],
+        num_threads: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: ExpertMetrics | None = None,
+    ):
         self.store = store
         self.metrics = metrics
         self._status = status
@@ -243,8 +260,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertWorkerServicer):
         finally:
             self._finish(call, started, ok=reply is not None)
 
-    def answer_blocking(self, request: ExpertRequest,
-                        deliver: Callable[[ExpertReply], None] | None = None) -> ExpertReply:  # fmt: skip
+    def answer_blocking(
+        self, request: ExpertRequest, deliver: Callable[[ExpertReply], None] | None = None
+    ) -> ExpertReply:
         """The reply on the caller's thread (the torch-dist and socket data planes' serving
         threads): no hop to the event loop or the compute thread; computes one at a time with them
         (the compute lock). Raises CallError for a request this worker refuses. `deliver` (the

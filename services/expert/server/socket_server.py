@@ -48,8 +48,15 @@ MAX_UNCLAIMED_SESSIONS = 1024  # sessions opened by RPC whose connection never c
 
 
 class SocketDataPlane:
-    def __init__(self, host: str, port: int, worker_id: str, answer: Callable[..., ExpertReply],
-                 busy_poll_s: float = 0.0, rehearse: Callable[[ExpertRequest], object] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        worker_id: str,
+        answer: Callable[..., ExpertReply],
+        busy_poll_s: float = 0.0,
+        rehearse: Callable[[ExpertRequest], object] | None = None,
+    ):
         """`host`/`port`: where the listener binds (port 0: an ephemeral one); `busy_poll_s`: how
         long a serving thread's wait for the next request polls before it blocks; `rehearse`: a
         request's checks without effects (CallError when it would be refused), run on the last
@@ -76,8 +83,9 @@ class SocketDataPlane:
                 raise ValueError(f"session {session!r} is already open")
             if self._listener is None:
                 self._listener = socket.create_server((self.host, self.port), backlog=64)
-                threading.Thread(target=self._accept, args=(self._listener,), name="moemesh-socket-accept",
-                                 daemon=True).start()  # fmt: skip
+                threading.Thread(
+                    target=self._accept, args=(self._listener,), name="moemesh-socket-accept", daemon=True
+                ).start()
             self._unclaimed[session] = None
             while len(self._unclaimed) > MAX_UNCLAIMED_SESSIONS:
                 del self._unclaimed[next(iter(self._unclaimed))]
@@ -89,8 +97,12 @@ class SocketDataPlane:
                 sock, peer = listener.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._serve, args=(FrameSocket(sock, self.busy_poll_s), peer), name="moemesh-socket-serve",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._serve,
+                args=(FrameSocket(sock, self.busy_poll_s), peer),
+                name="moemesh-socket-serve",
+                daemon=True,
+            ).start()
 
     def _claim(self, connection: FrameSocket) -> str | None:
         magic, size = HELLO.unpack(connection.read_exact(HELLO.size))

@@ -98,12 +98,15 @@ def read_expert_weights(
             raise ModelLoadError(f"checkpoint lacks the down projection of {where}")
         w2 = found["down"]
         if tuple(w13.shape) != (2 * inter, hidden) or tuple(w2.shape) != (hidden, inter):
-            raise ModelLoadError(f"{where} has shapes {tuple(w13.shape)}, {tuple(w2.shape)}; expected "
-                                 f"{(2 * inter, hidden)}, {(hidden, inter)}")  # fmt: skip
+            raise ModelLoadError(
+                f"{where} has shapes {tuple(w13.shape)}, {tuple(w2.shape)}; expected "
+                f"{(2 * inter, hidden)}, {(hidden, inter)}"
+            )
         if any(t.dtype == FP8_DTYPE for t in found.values()):
             if fp8_block is None:
-                raise ModelLoadError(f"{where} is float8_e4m3fn but config.json declares no block-FP8 "
-                                     f"quantization_config")  # fmt: skip
+                raise ModelLoadError(
+                    f"{where} is float8_e4m3fn but config.json declares no block-FP8 quantization_config"
+                )
             weights[(layer, expert)] = _fp8_expert(found, fp8_block, where)
         else:
             weights[(layer, expert)] = (w13.float().to(dtype).contiguous(), w2.float().to(dtype).contiguous())
@@ -120,13 +123,17 @@ def _fp8_expert(found: dict[str, torch.Tensor], block: tuple[int, int], where: s
         weight = found[part]
         scale = found.get(f"{part}_scale")
         if weight.dtype != FP8_DTYPE or scale is None:
-            raise ModelLoadError(f"{where}: the {part} projection must be float8_e4m3fn with a weight_scale_inv "
-                                 f"(got {weight.dtype}, scale_inv {'present' if scale is not None else 'missing'})")  # fmt: skip
+            raise ModelLoadError(
+                f"{where}: the {part} projection must be float8_e4m3fn with a weight_scale_inv "
+                f"(got {weight.dtype}, scale_inv {'present' if scale is not None else 'missing'})"
+            )
         expected = (cdiv(weight.shape[0], block[0]), cdiv(weight.shape[1], block[1]))
         if tuple(scale.shape) != expected or scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ModelLoadError(f"{where}: the {part} projection's weight_scale_inv is {scale.dtype} "
-                                 f"{tuple(scale.shape)}; with weight_block_size {list(block)} it must be float32 "
-                                 f"{expected}")  # fmt: skip
+            raise ModelLoadError(
+                f"{where}: the {part} projection's weight_scale_inv is {scale.dtype} "
+                f"{tuple(scale.shape)}; with weight_block_size {list(block)} it must be float32 "
+                f"{expected}"
+            )
         scales[part] = scale.float()
     w13 = torch.cat((found["gate"], found["up"]), dim=0)  # [2 * intermediate, hidden] float8
     w13_scale_inv = torch.cat((scales["gate"], scales["up"]), dim=0)  # [2 * ceil(I / bn), ceil(H / bk)]

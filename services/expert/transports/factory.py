@@ -7,8 +7,13 @@ from collections.abc import Mapping
 from moemesh.expert.transports.base import TRANSPORTS, ExpertTransport
 
 
-def make_transport(kind: str, endpoints: Mapping[str, str], host: str = "127.0.0.1",
-                   dist_backend: str = "gloo", busy_poll_s: float = 0.0) -> ExpertTransport:  # fmt: skip
+def make_transport(
+    kind: str,
+    endpoints: Mapping[str, str],
+    host: str = "127.0.0.1",
+    dist_backend: str = "gloo",
+    busy_poll_s: float = 0.0,
+) -> ExpertTransport:
     """The transport `--expert-transport` names. `host`: this worker's advertised address (the
     torch-dist groups bind there); `dist_backend`: torch-dist's backend; `busy_poll_s`: how long
     the socket transport's wait for a reply polls before it blocks."""

@@ -91,8 +91,12 @@ class _StreamCall:
             return reply_from_proto(self._future.result(self._timeout_s))
         except FutureTimeout:
             self._owner.drop(self._stream)  # a hung peer: start over with a fresh stream
-            raise ExpertCallError(self._stream.worker_id, self._stream.endpoint, "DEADLINE_EXCEEDED",
-                                  f"no reply within {self._timeout_s} s") from None  # fmt: skip
+            raise ExpertCallError(
+                self._stream.worker_id,
+                self._stream.endpoint,
+                "DEADLINE_EXCEEDED",
+                f"no reply within {self._timeout_s} s",
+            ) from None
 
 
 class GrpcStreamExpertTransport(PerWorkerTransport):

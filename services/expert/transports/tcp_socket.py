@@ -47,8 +47,14 @@ MAX_STASHED = 256  # replies kept for calls not yet collected (a forward that fa
 
 
 class _Peer:
-    def __init__(self, channel: grpc.Channel, worker_id: str, endpoint: str, busy_poll_s: float,
-                 rehearsal: Callable[[], Callable[[], None] | None] = lambda: None):  # fmt: skip
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        worker_id: str,
+        endpoint: str,
+        busy_poll_s: float,
+        rehearsal: Callable[[], Callable[[], None] | None] = lambda: None,
+    ):
         """`rehearsal`: the transport's current caller rehearsal (set_rehearsal), or None."""
         self.worker_id, self.endpoint = worker_id, endpoint
         self._rehearsal = rehearsal

@@ -55,8 +55,9 @@ class _Peer:
         opened = expert_pb2_grpc.ExpertWorkerStub(channel).OpenDataPlane(
             expert_pb2.OpenDataPlaneRequest(session=session, backend=backend), timeout=OPEN_TIMEOUT_S
         )  # raises grpc.RpcError
-        store = dist.TCPStore(endpoint.rsplit(":", 1)[0], opened.store_port, None, False,
-                              datetime.timedelta(seconds=OPEN_TIMEOUT_S))  # fmt: skip
+        store = dist.TCPStore(
+            endpoint.rsplit(":", 1)[0], opened.store_port, None, False, datetime.timedelta(seconds=OPEN_TIMEOUT_S)
+        )
         timeout = datetime.timedelta(seconds=OPEN_TIMEOUT_S)
         self._group = pair_group(dist.PrefixStore(session, store), ATTENTION_RANK, backend, host, timeout)
         self._framing = Framing(self._group, EXPERT_RANK, device_for(backend))
@@ -87,8 +88,10 @@ class _Peer:
                     data = self._framing.recv(REPLY_TAGS, timeout)
                 except RuntimeError as e:
                     timed_out = "Timed out" in str(e)
-                    raise self._fail("DEADLINE_EXCEEDED" if timed_out else "UNAVAILABLE",
-                                     f"no reply within {timeout_s} s" if timed_out else first_line(e)) from None  # fmt: skip
+                    raise self._fail(
+                        "DEADLINE_EXCEEDED" if timed_out else "UNAVAILABLE",
+                        f"no reply within {timeout_s} s" if timed_out else first_line(e),
+                    ) from None
                 reply = expert_pb2.RunExpertsResponse()
                 reply.ParseFromString(data)
                 self._stash[reply.sequence_id] = reply

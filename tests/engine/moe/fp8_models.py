@@ -24,10 +24,22 @@ QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dyna
 
 def build_fp8_shaped_deepseek_v3():
     return build_deepseek_v3(
-        hidden_size=256, intermediate_size=384, moe_intermediate_size=192, num_attention_heads=2,
-        num_key_value_heads=2, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, initializer_range=0.05,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=384,
+        moe_intermediate_size=192,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        initializer_range=0.05,
+    )
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

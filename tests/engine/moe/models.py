@@ -11,28 +11,53 @@ VOCAB = 128
 
 def _common(**kw) -> dict:
     # initializer_range 0.1 (not 0.02): every sublayer, and the routing, visibly moves the logits
-    return dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
-                initializer_range=0.1, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
-                **kw)  # fmt: skip
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **kw,
+    )
 
 
 def build_qwen3_moe(**overrides):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     # 4 layers: layer 1 is dense (mlp_only_layers); top-4 of 16 experts, renormalized.
-    config = Qwen3MoeConfig(**_common(
-        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
-        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-    ) | overrides)  # fmt: skip
+    config = Qwen3MoeConfig(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+        | overrides
+    )
     return Qwen3MoeForCausalLM(config)
 
 
 def build_mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(**_common(
-        intermediate_size=48, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-    ))  # fmt: skip
+    config = MixtralConfig(
+        **_common(
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+    )
     return MixtralForCausalLM(config)
 
 
@@ -40,12 +65,28 @@ def build_deepseek_v3(q_lora_rank: int | None = 48, **overrides):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     # 3 layers: layer 0 dense, then two MoE layers; 16 experts in 4 groups, 2 groups kept, top-4.
-    config = DeepseekV3Config(**_common(
-        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=4,
-        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    ) | overrides)  # fmt: skip
+    config = DeepseekV3Config(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            kv_lora_rank=32,
+            q_lora_rank=q_lora_rank,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        )
+        | overrides
+    )
     model = DeepseekV3ForCausalLM(config)
     set_correction_biases(model)
     return model

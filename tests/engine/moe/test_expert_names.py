@@ -53,7 +53,11 @@ def test_fused_and_foreign_names():
     assert parse_expert_weight_name("model.layers.1.block_sparse_moe.experts.7.w3.weight") == ExpertWeightName(
         "model.layers.1.block_sparse_moe.experts", 1, 7, "up"
     )
-    for name in ("model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.gate.weight",
-                 "model.layers.1.mlp.experts.3.gate_proj.bias", "model.layers.1.mlp.experts.gate_up_proj.weight",
-                 "lm_head.weight"):  # fmt: skip
+    for name in (
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.experts.3.gate_proj.bias",
+        "model.layers.1.mlp.experts.gate_up_proj.weight",
+        "lm_head.weight",
+    ):
         assert parse_expert_weight_name(name) is None, name

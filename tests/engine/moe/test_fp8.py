@@ -41,8 +41,15 @@ def test_quantized_weights_stay_float8_in_memory_at_about_one_byte_per_weight(fp
     _, _, stored_fp8 = fp8_checkpoint
     model = fp8_llm.engine.model
     attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    for linear in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj, moe.shared_experts.gate_up_proj,
-                   moe.shared_experts.down_proj, model.model.layers[0].mlp.gate_up_proj):  # fmt: skip
+    for linear in (
+        attn.q_a_proj,
+        attn.q_b_proj,
+        attn.kv_a_proj_with_mqa,
+        attn.o_proj,
+        moe.shared_experts.gate_up_proj,
+        moe.shared_experts.down_proj,
+        model.model.layers[0].mlp.gate_up_proj,
+    ):
         assert isinstance(linear, Fp8Linear) and linear.weight.dtype == torch.float8_e4m3fn
         assert linear.weight_scale_inv.dtype == torch.float32
     assert moe.shared_experts.gate_up_proj.weight_scale_inv.shape == (2 + 2, 2)  # gate and up halves: 192 rows each
@@ -116,8 +123,9 @@ def _broken_copy(src: str, dst: str, edit_tensors=None, edit_config=None) -> str
         index_file = os.path.join(dst, "model.safetensors.index.json")
         with open(index_file) as f:
             index = json.load(f)
-        index["weight_map"] = {n: s for n, s in index["weight_map"].items()
-                               if s != os.path.basename(file) or n in tensors}  # fmt: skip
+        index["weight_map"] = {
+            n: s for n, s in index["weight_map"].items() if s != os.path.basename(file) or n in tensors
+        }
         with open(index_file, "w") as f:
             json.dump(index, f)
     return dst

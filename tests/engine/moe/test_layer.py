@@ -115,8 +115,15 @@ def test_softmax_gating_gives_each_token_the_reference_experts_and_weights_ties_
 
 
 def test_grouped_gating_uses_the_bias_for_selection_only_masks_dropped_groups_and_scales_the_weights():
-    gating = GatingConfig(num_experts=8, top_k=3, renormalize=True, method="grouped_topk",
-                          num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)  # fmt: skip
+    gating = GatingConfig(
+        num_experts=8,
+        top_k=3,
+        renormalize=True,
+        method="grouped_topk",
+        num_expert_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    )
     # Groups {0,1} {2,3} {4,5} {6,7}. Biased scores of experts 1, 3, 5, 7 are negative, so each
     # kept group has one positive expert and top_k=3 must take a negative one from a kept group
     # (masking dropped groups with 0.0 would take a dropped-group expert instead).

@@ -25,11 +25,26 @@ ORIGINAL_MAX, FACTOR, MAX_NEW = 32, 4.0, 12
 # Small betas put the YaRN ramp inside the few rotary dims of these tiny heads (16 and 8), so
 # some frequencies are interpolated, some extrapolated and some blended.
 YARN = {
-    "qwen3_moe": dict(rope_type="yarn", factor=FACTOR, original_max_position_embeddings=ORIGINAL_MAX,
-                      beta_fast=2.0, beta_slow=0.25, truncate=False, rope_theta=10000.0),
-    "deepseek_v3": dict(rope_type="yarn", factor=FACTOR, original_max_position_embeddings=ORIGINAL_MAX,
-                        beta_fast=1.0, beta_slow=0.125, mscale=0.707, mscale_all_dim=1.0, rope_theta=10000.0),
-}  # fmt: skip
+    "qwen3_moe": dict(
+        rope_type="yarn",
+        factor=FACTOR,
+        original_max_position_embeddings=ORIGINAL_MAX,
+        beta_fast=2.0,
+        beta_slow=0.25,
+        truncate=False,
+        rope_theta=10000.0,
+    ),
+    "deepseek_v3": dict(
+        rope_type="yarn",
+        factor=FACTOR,
+        original_max_position_embeddings=ORIGINAL_MAX,
+        beta_fast=1.0,
+        beta_slow=0.125,
+        mscale=0.707,
+        mscale_all_dim=1.0,
+        rope_theta=10000.0,
+    ),
+}
 BUILDERS = {"qwen3_moe": build_qwen3_moe, "deepseek_v3": build_deepseek_v3}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 

@@ -15,10 +15,18 @@ def save_tiny_llama(path: str, vocab_size: int = SMOLLM_VOCAB, num_layers: int =
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return model

@@ -55,8 +55,9 @@ def one_thread():
     torch.set_num_threads(num_threads)
 
 
-def resample_from_target_on_rejection(target_probs, draft_token_ids, num_drafts, greedy, draft_probs=None,
-                                      generator=None):  # fmt: skip
+def resample_from_target_on_rejection(
+    target_probs, draft_token_ids, num_drafts, greedy, draft_probs=None, generator=None
+):
     """A deliberately wrong verifier: after a rejection it samples p instead of max(0, p - q)."""
     out = verify_drafts(target_probs, draft_token_ids, num_drafts, greedy, draft_probs, generator)
     for r, n in enumerate(out.num_accepted):
@@ -72,12 +73,19 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(tmp_path, one
     transformers, and a deliberately wrong verifier fails the same check."""
     vocab, num_samples, prompt = 16, 3000, [3, 1, 4, 1, 5, 9]
     target = save_tiny_llama(str(tmp_path / "target"), vocab_size=vocab, seed=1)
-    spec = SpecConfig(method="draft", draft_model=str(tmp_path / "target"), draft_num_layers=1,  # self-speculative
-                      scheduling="fixed", num_speculative_tokens=2, draft_kv_memory_gib=0.01)  # fmt: skip
+    spec = SpecConfig(
+        method="draft",
+        draft_model=str(tmp_path / "target"),
+        draft_num_layers=1,  # self-speculative
+        scheduling="fixed",
+        num_speculative_tokens=2,
+        draft_kv_memory_gib=0.01,
+    )
     if not lossless:
         monkeypatch.setattr(model_runner, "verify_drafts", resample_from_target_on_rejection)
-    llm = LLM(str(tmp_path / "target"), num_blocks=1024, max_num_seqs=256, seed=3, speculative=spec,
-              show_progress=False)  # fmt: skip
+    llm = LLM(
+        str(tmp_path / "target"), num_blocks=1024, max_num_seqs=256, seed=3, speculative=spec, show_progress=False
+    )
     outs = llm.generate([prompt] * num_samples, SamplingParams(temperature=1.0, max_tokens=4))
     stats = llm.engine.spec.stats
     assert 0.1 < stats.acceptance_rate < 0.9  # drafts both accepted and rejected

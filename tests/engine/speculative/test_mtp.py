@@ -41,12 +41,27 @@ def build_one_layer_deepseek(seed: int):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    config = DeepseekV3Config(**_common(
-        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1, num_key_value_heads=4,
-        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=0,
-        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    ))  # fmt: skip
+    config = DeepseekV3Config(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=1,
+            num_key_value_heads=4,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=0,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        )
+    )
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         gate = model.model.layers[0].mlp.gate
@@ -78,8 +93,11 @@ def copy_construction(main_weights: dict[str, torch.Tensor], hidden: int) -> dic
 def random_construction(mtp_source, hidden: int, seed: int) -> dict[str, torch.Tensor]:
     """Random MTP weights: the decoder layer of another random model, random norms and eh_proj."""
     gen = torch.Generator().manual_seed(seed)
-    weights = {MTP + k.removeprefix("model.layers.0."): v.clone() for k, v in mtp_source.state_dict().items()
-               if k.startswith("model.layers.0.")}  # fmt: skip
+    weights = {
+        MTP + k.removeprefix("model.layers.0."): v.clone()
+        for k, v in mtp_source.state_dict().items()
+        if k.startswith("model.layers.0.")
+    }
     weights[MTP + "enorm.weight"] = 1 + 0.3 * torch.randn(hidden, generator=gen)
     weights[MTP + "hnorm.weight"] = 1 + 0.3 * torch.randn(hidden, generator=gen)
     weights[MTP + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
@@ -214,8 +232,9 @@ class Float64MTP:
         """h' at positions 0..T-1 for pairs (hidden_states[p], next_tokens[p]); [T, hidden]."""
         w, n = self.w, len(next_tokens)
         emb = self.main.model.embed_tokens.weight[torch.tensor(next_tokens)]  # [T, hidden]
-        fused = torch.cat((_rms(emb, w["enorm.weight"], self.eps),
-                           _rms(hidden_states.double(), w["hnorm.weight"], self.eps)), dim=-1)  # fmt: skip
+        fused = torch.cat(
+            (_rms(emb, w["enorm.weight"], self.eps), _rms(hidden_states.double(), w["hnorm.weight"], self.eps)), dim=-1
+        )
         x = (fused @ w["eh_proj.weight"].t())[None]  # [1, T, hidden]
         positions = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]

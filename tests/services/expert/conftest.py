@@ -16,8 +16,14 @@ def hf_generate(model, prompts: list[list[int]], max_new: int) -> list[list[int]
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 min_new_tokens=max_new, do_sample=False, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 

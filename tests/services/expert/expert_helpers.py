@@ -18,8 +18,20 @@ from moemesh.proto.v1 import expert_pb2, expert_pb2_grpc
 from tests.services.cluster_helpers import RPC_TIMEOUT_S, WAIT_TIMEOUT_S, generate
 
 MAX_NEW = 12
-WORKER_ARGS = ("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "16", "--max-model-len", "256",
-               "--placement-poll", "0.05", "--expert-timeout", "10")  # fmt: skip
+WORKER_ARGS = (
+    "--dtype",
+    "float32",
+    "--num-blocks",
+    "256",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    "256",
+    "--placement-poll",
+    "0.05",
+    "--expert-timeout",
+    "10",
+)
 EXPERT_ARGS = (
     "--dtype",
     "float32",
@@ -32,13 +44,26 @@ EXPERT_ARGS = (
 )
 
 
-def expert_cluster(redis_url: str, mesh: str, log_dir, model: str, num_experts: int,
-                   transport: str = "grpc-stream") -> LocalCluster:  # fmt: skip
+def expert_cluster(
+    redis_url: str, mesh: str, log_dir, model: str, num_experts: int, transport: str = "grpc-stream"
+) -> LocalCluster:
     spec = ClusterSpec(
-        num_decode=1, aggregated=True, http_port=0, redis_url=redis_url, mesh=mesh, model=model, num_threads=1,
-        worker_args=WORKER_ARGS, router_args=("--max-model-len", "256"), heartbeat_ttl_s=3.0, log_dir=str(log_dir),
-        start_timeout_s=240, num_experts=num_experts, expert_args=EXPERT_ARGS, expert_transport=transport,
-    )  # fmt: skip
+        num_decode=1,
+        aggregated=True,
+        http_port=0,
+        redis_url=redis_url,
+        mesh=mesh,
+        model=model,
+        num_threads=1,
+        worker_args=WORKER_ARGS,
+        router_args=("--max-model-len", "256"),
+        heartbeat_ttl_s=3.0,
+        log_dir=str(log_dir),
+        start_timeout_s=240,
+        num_experts=num_experts,
+        expert_args=EXPERT_ARGS,
+        expert_transport=transport,
+    )
     return LocalCluster(spec)
 
 
@@ -71,8 +96,12 @@ def expert_tokens(cluster: LocalCluster) -> np.ndarray:  # [num_layers, num_expe
 
 def replica_tokens(cluster: LocalCluster, version: int) -> dict[tuple[int, int], int]:
     """(layer, slot) -> tokens served under `version`, over every worker."""
-    return {(r.layer, r.slot): r.num_tokens for service in experts(cluster) for r in status(service).replicas
-            if r.version == version}  # fmt: skip
+    return {
+        (r.layer, r.slot): r.num_tokens
+        for service in experts(cluster)
+        for r in status(service).replicas
+        if r.version == version
+    }
 
 
 def generate_all(router: Service, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
@@ -82,8 +111,13 @@ def generate_all(router: Service, prompts: list[list[int]], max_tokens: int = MA
 
 
 def placement_from_rows(phy2log: np.ndarray, worker_ids: list[str], num_experts: int) -> Placement:
-    return Placement(version=1, num_experts=num_experts, worker_ids=tuple(worker_ids),
-                     slot_owner=contiguous_slot_owner(phy2log.shape[1], len(worker_ids)), phy2log=phy2log)  # fmt: skip
+    return Placement(
+        version=1,
+        num_experts=num_experts,
+        worker_ids=tuple(worker_ids),
+        slot_owner=contiguous_slot_owner(phy2log.shape[1], len(worker_ids)),
+        phy2log=phy2log,
+    )
 
 
 def twice_on_different_workers(num_layers: int, num_experts: int, worker_ids: list[str]) -> Placement:

@@ -22,9 +22,13 @@ class LayerWeights:
 
 def random_experts(num_layers: int, num_experts: int, hidden: int, inter: int, dtype=torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return [LayerWeights((torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype),
-                         (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype))
-            for _ in range(num_layers)]  # fmt: skip
+    return [
+        LayerWeights(
+            (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype),
+            (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype),
+        )
+        for _ in range(num_layers)
+    ]
 
 
 class _Done:

@@ -126,8 +126,14 @@ def test_a_sole_partial_is_returned_without_a_copy_only_when_nothing_else_holds_
 
 def test_the_sole_partial_flag_survives_the_protobuf_transports():
     x, _, _ = routing(2)
-    request = ExpertRequest(0, 1, x.bfloat16(), *(np.array(v, dtype=np.int32) for v in ([0], [0], [2], [0, 1])),
-                            torch.ones(2), outputs_in_input_dtype=True)  # fmt: skip
+    request = ExpertRequest(
+        0,
+        1,
+        x.bfloat16(),
+        *(np.array(v, dtype=np.int32) for v in ([0], [0], [2], [0, 1])),
+        torch.ones(2),
+        outputs_in_input_dtype=True,
+    )
     assert request_from_proto(request_to_proto(request)).outputs_in_input_dtype
     request.outputs_in_input_dtype = False
     assert not request_from_proto(request_to_proto(request)).outputs_in_input_dtype
@@ -186,16 +192,25 @@ def transport_weights(transport):
     weights = store._read_weights({(0, e) for e in range(NUM_EXPERTS)})
     from .loopback import LayerWeights
 
-    return [LayerWeights(torch.stack([weights[(0, e)][0] for e in range(NUM_EXPERTS)]),
-                         torch.stack([weights[(0, e)][1] for e in range(NUM_EXPERTS)]))]  # fmt: skip
+    return [
+        LayerWeights(
+            torch.stack([weights[(0, e)][0] for e in range(NUM_EXPERTS)]),
+            torch.stack([weights[(0, e)][1] for e in range(NUM_EXPERTS)]),
+        )
+    ]
 
 
 def test_a_dead_worker_is_routed_around_when_its_experts_have_replicas_elsewhere(dispatch_path):
     placement = make_placement(3, np.tile(np.arange(NUM_EXPERTS).repeat(2), (NUM_LAYERS, 1)), WORKERS, NUM_EXPERTS)
     local, remote, transport, _ = executors(placement)  # each expert twice, on neighbouring slots
     # slots 2k, 2k+1 hold expert k: w0 owns 0..3 (experts 0, 1), w1 4..7 (2, 3), ...: no redundancy across workers
-    redundant = Placement(version=4, num_experts=NUM_EXPERTS, worker_ids=tuple(WORKERS),
-                          slot_owner=np.tile(np.arange(4), 4), phy2log=placement.phy2log)  # fmt: skip
+    redundant = Placement(
+        version=4,
+        num_experts=NUM_EXPERTS,
+        worker_ids=tuple(WORKERS),
+        slot_owner=np.tile(np.arange(4), 4),
+        phy2log=placement.phy2log,
+    )
     transport.load(redundant)
     remote.set_placement(RemotePlacement(redundant))
     x, ids, weights = routing(30)
@@ -258,8 +273,10 @@ def test_worker_batches_send_each_token_once_and_group_entries_by_replica():
     replica_ids = np.array([[0, 3], [3, 1], [2, 0]])  # 3 tokens, top-2; slots 0, 1 on worker 0, slots 2, 3 on worker 1
     owner = np.array([0, 0, 1, 1])
     entries = sort_entries(replica_ids, replica_ids, owner)
-    for batches in (group_by_worker(entries.replicas, entries.experts, entries.tokens, np.arange(6), owner),
-                    split_by_worker(entries, owner, num_tokens=3)):  # fmt: skip
+    for batches in (
+        group_by_worker(entries.replicas, entries.experts, entries.tokens, np.arange(6), owner),
+        split_by_worker(entries, owner, num_tokens=3),
+    ):
         w0, w1 = batches
         assert w0.token_ids.tolist() == [0, 1, 2] and w0.slots.tolist() == [0, 1] and w0.group_sizes.tolist() == [2, 1]
         assert w0.token_ids[w0.row_ids].tolist() == [0, 2, 1]
@@ -297,8 +314,18 @@ def test_the_expert_worker_refuses_malformed_or_misrouted_calls_with_the_right_s
     x = tensor_to_proto(torch.zeros(2, HIDDEN))
 
     def call(**kw):
-        fields = dict(layer=0, placement_version=1, hidden_states=x,
-                      group_slots=[0], group_experts=[0], group_rows=[2], row_ids=[0, 1]) | kw  # fmt: skip
+        fields = (
+            dict(
+                layer=0,
+                placement_version=1,
+                hidden_states=x,
+                group_slots=[0],
+                group_experts=[0],
+                group_rows=[2],
+                row_ids=[0, 1],
+            )
+            | kw
+        )
         with pytest.raises(CallError) as info:
             parse_call(store, decode_request(expert_pb2.RunExpertsRequest(**fields)))  # the gRPC paths' check
         return info.value.code, str(info.value)
@@ -328,8 +355,9 @@ def test_a_data_plane_gets_the_reply_before_the_worker_counts_its_tokens_and_the
     _, _, transport, _ = executors(identity(WORKERS[:2]), workers=WORKERS[:2])
     servicer = ExpertServicer(transport.stores["w0"], status=lambda: None)
     x, _, _ = routing(3)
-    request = ExpertRequest(1, 1, x, *(np.array(v, dtype=np.int32) for v in ([0, 2], [0, 2], [2, 1], [0, 2, 1])),
-                            torch.ones(3))  # fmt: skip
+    request = ExpertRequest(
+        1, 1, x, *(np.array(v, dtype=np.int32) for v in ([0, 2], [0, 2], [2, 1], [0, 2, 1])), torch.ones(3)
+    )
     counts_at_delivery = []
 
     def deliver(reply):

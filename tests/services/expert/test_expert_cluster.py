@@ -39,7 +39,7 @@ from .expert_helpers import (
     replica_tokens,
     status,
     steady_traffic,
-    twice_on_different_workers,  # fmt: skip
+    twice_on_different_workers,
     written_keys,
 )
 
@@ -49,8 +49,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster(redis_server, qwen3, tmp_path_factory):
-    with expert_cluster(redis_server.url, MESH, tmp_path_factory.mktemp("expert-qwen"), qwen3[0], 3,
-                        transport="torch-dist") as cluster:  # fmt: skip
+    with expert_cluster(
+        redis_server.url, MESH, tmp_path_factory.mktemp("expert-qwen"), qwen3[0], 3, transport="torch-dist"
+    ) as cluster:
         yield cluster
 
 
@@ -167,10 +168,11 @@ def test_three_live_rebalances_under_load_fail_nothing_and_release_old_replicas(
     gen = np.random.default_rng(0)
     placements = [
         placement_from_rows(np.tile(np.roll(np.arange(18) % num_experts, 5), (num_layers, 1)), workers, num_experts),
-        placement_from_rows(np.stack([gen.permutation(np.arange(18) % num_experts) for _ in range(num_layers)]),
-                            workers, num_experts),
+        placement_from_rows(
+            np.stack([gen.permutation(np.arange(18) % num_experts) for _ in range(num_layers)]), workers, num_experts
+        ),
         twice_on_different_workers(num_layers, num_experts, workers),
-    ]  # fmt: skip
+    ]
     results, errors, rebalanced = [], [], threading.Event()
 
     def stream():
@@ -201,7 +203,8 @@ def test_three_live_rebalances_under_load_fail_nothing_and_release_old_replicas(
             hosted = {(e.layer, e.expert) for e in s.hosted_experts}
             mine = final.phy2log[:, final.slots_of(service.name)]
             if list(s.loaded_versions) != [final.version] or hosted != {
-                    (layer, int(e)) for layer in range(num_layers) for e in mine[layer]}:  # fmt: skip
+                (layer, int(e)) for layer in range(num_layers) for e in mine[layer]
+            }:
                 return False
         return True
 
@@ -228,8 +231,23 @@ def test_bad_placements_are_rejected_and_the_active_one_stays(cluster, client, l
     bad_file = tmp_path / "bad.json"
     bad_file.write_text(json.dumps(data))
     port = client.connection_pool.connection_kwargs["port"]
-    cli = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(bad_file), "--redis-url",
-                          f"redis://127.0.0.1:{port}/0", "--mesh", MESH], capture_output=True, text=True, timeout=WAIT_TIMEOUT_S)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moemesh.cli",
+            "placement",
+            "apply",
+            str(bad_file),
+            "--redis-url",
+            f"redis://127.0.0.1:{port}/0",
+            "--mesh",
+            MESH,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_TIMEOUT_S,
+    )
     assert cli.returncode == 2
     assert "expert 0 has no replica in layer 0" in cli.stderr, cli.stderr
     assert (store.current_version(), store.latest_version()) == (active, latest)  # nothing published
@@ -241,8 +259,23 @@ def test_placement_apply_cli_applies_a_good_placement(cluster, client, shape, tm
     good = tmp_path / "good.json"
     good.write_text(even_placement(num_layers, num_experts, [s.name for s in experts(cluster)]).to_json())
     port = client.connection_pool.connection_kwargs["port"]
-    cli = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(good), "--redis-url",
-                          f"redis://127.0.0.1:{port}/0", "--mesh", MESH], capture_output=True, text=True, timeout=WAIT_TIMEOUT_S)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moemesh.cli",
+            "placement",
+            "apply",
+            str(good),
+            "--redis-url",
+            f"redis://127.0.0.1:{port}/0",
+            "--mesh",
+            MESH,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_TIMEOUT_S,
+    )
     assert cli.returncode == 0, cli.stderr
     version = PlacementStore(client, MESH).current_version()
     assert cli.stdout.strip() == f"placement {version} is active on 3 expert workers"
@@ -263,12 +296,15 @@ def test_a_killed_expert_worker_is_routed_around_when_every_expert_has_another_r
     port = kill_and_restart_port(cluster, workers[1])
     assert generate_all(router(cluster), prompts) == expected(llm, prompts)
     cluster.add_expert(workers[1], port)
-    wait_until(lambda: status(cluster.services[workers[1]]).active_version == placement.version,
-               message="the restarted worker serving the active placement")  # fmt: skip
+    wait_until(
+        lambda: status(cluster.services[workers[1]]).active_version == placement.version,
+        message="the restarted worker serving the active placement",
+    )
 
 
-def test_a_killed_expert_worker_without_replicas_fails_requests_fast_and_the_cluster_recovers(cluster, client, llm,
-                                                                                              shape, prompts):  # fmt: skip
+def test_a_killed_expert_worker_without_replicas_fails_requests_fast_and_the_cluster_recovers(
+    cluster, client, llm, shape, prompts
+):
     num_layers, num_experts = shape
     workers = [s.name for s in experts(cluster)]
     placement = apply(client, even_placement(num_layers, num_experts, workers))

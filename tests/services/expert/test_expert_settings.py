@@ -78,15 +78,36 @@ def test_the_socket_busy_poll_is_a_flag_and_a_negative_one_is_refused():
 
 
 def test_an_expert_worker_on_a_dense_model_exits_2_with_the_reason(smollm_path):
-    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "serve", "--role", "expert", "--model", smollm_path,
-                             "--worker-id", "e0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moemesh.cli",
+            "serve",
+            "--role",
+            "expert",
+            "--model",
+            smollm_path,
+            "--worker-id",
+            "e0",
+            "--grpc-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "LlamaForCausalLM has no MoE layers: expert workers need a Mixture-of-Experts model" in result.stderr
 
 
 def test_placement_apply_of_a_missing_file_exits_2(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "moemesh.cli", "placement", "apply", str(tmp_path / "none.json")],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "moemesh.cli", "placement", "apply", str(tmp_path / "none.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "cannot use placement" in result.stderr
 
 
@@ -99,8 +120,16 @@ def test_confidence_scheduled_speculation_with_remote_experts_is_rejected_naming
 
 
 def test_the_nccl_backend_on_a_cpu_worker_is_rejected_at_start_naming_the_fix():
-    argv = ["serve", "--role", "decode", "--remote-experts", "--expert-transport", "torch-dist",
-            "--expert-dist-backend", "nccl"]  # fmt: skip
+    argv = [
+        "serve",
+        "--role",
+        "decode",
+        "--remote-experts",
+        "--expert-transport",
+        "torch-dist",
+        "--expert-dist-backend",
+        "nccl",
+    ]
     with pytest.raises(SettingsError, match=r"needs --device cuda \(use gloo on the CPU\)"):
         worker_settings(build_parser().parse_args(argv), env={})
     on_gpu = worker_settings(build_parser().parse_args(argv + ["--device", "cuda"]), env={})

@@ -48,20 +48,31 @@ def round_trip_request(sequence_id: int, request: ExpertRequest) -> tuple[int, E
     return header.sequence_id, decode_request(header, data[REQUEST.size :])
 
 
-def random_request(dtype: torch.dtype, num_tokens: int, weights: bool, seed: int = 0,
-                   in_input_dtype: bool = False) -> ExpertRequest:  # fmt: skip
+def random_request(
+    dtype: torch.dtype, num_tokens: int, weights: bool, seed: int = 0, in_input_dtype: bool = False
+) -> ExpertRequest:
     gen = np.random.default_rng(seed)
     x = torch.randn(num_tokens, 24, generator=torch.Generator().manual_seed(seed)).to(dtype)
     sizes = gen.integers(0, 4, size=5).astype(np.int32)
     row_ids = gen.integers(0, max(num_tokens, 1), size=int(sizes.sum())).astype(np.int32)
     w = torch.from_numpy(gen.random(row_ids.size).astype(np.float32)) if weights else None
-    return ExpertRequest(3, 2**40 + 7, x, np.arange(5, dtype=np.int32) * 3, np.arange(5, dtype=np.int32) + 100,
-                         sizes, row_ids, w, in_input_dtype)  # fmt: skip
+    return ExpertRequest(
+        3,
+        2**40 + 7,
+        x,
+        np.arange(5, dtype=np.int32) * 3,
+        np.arange(5, dtype=np.int32) + 100,
+        sizes,
+        row_ids,
+        w,
+        in_input_dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_tokens, weights, in_input_dtype", [(7, True, False), (7, True, True), (7, False, False),
-                                                                  (0, True, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "num_tokens, weights, in_input_dtype", [(7, True, False), (7, True, True), (7, False, False), (0, True, False)]
+)
 def test_a_request_frame_carries_every_field_exactly(dtype, num_tokens, weights, in_input_dtype):
     sent = random_request(dtype, num_tokens, weights, in_input_dtype=in_input_dtype)
     sequence_id, got = round_trip_request(2**63 + 5, sent)

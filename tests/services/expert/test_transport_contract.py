@@ -84,8 +84,10 @@ def expert_side():
                 deliver(reply)
             return reply
 
-        servicer = _Servicer(lambda: DistDataPlane("127.0.0.1", "expert-0", answer_blocking),
-                             lambda: SocketDataPlane("127.0.0.1", 0, "expert-0", answer_blocking))  # fmt: skip
+        servicer = _Servicer(
+            lambda: DistDataPlane("127.0.0.1", "expert-0", answer_blocking),
+            lambda: SocketDataPlane("127.0.0.1", 0, "expert-0", answer_blocking),
+        )
         server = grpc.aio.server()
         expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
         holder["port"] = server.add_insecure_port("127.0.0.1:0")
@@ -182,8 +184,9 @@ def test_a_polling_socket_transport_runs_the_callers_rehearsal_while_it_waits(ex
 
         transport.set_rehearsal(rehearsal)
         second = request(0, 5, 1)
-        assert torch.equal(transport.submit("expert-0", second, timeout_s=60).result().outputs,
-                           2 * second.hidden_states)  # fmt: skip
+        assert torch.equal(
+            transport.submit("expert-0", second, timeout_s=60).result().outputs, 2 * second.hidden_states
+        )
         assert rehearsals
     finally:
         transport.close()
@@ -202,8 +205,13 @@ def test_open_data_plane_refuses_a_reused_session_or_an_unknown_backend(expert_s
         stub = expert_pb2_grpc.ExpertWorkerStub(channel)
         stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session="taken", backend="gloo"), timeout=30)
         stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session="taken", backend="socket"), timeout=30)
-        cases = (("s", "mpi", "backend"), ("", "gloo", "session name"), ("taken", "gloo", "already open"),
-                 ("", "socket", "session name"), ("taken", "socket", "already open"))  # fmt: skip
+        cases = (
+            ("s", "mpi", "backend"),
+            ("", "gloo", "session name"),
+            ("taken", "gloo", "already open"),
+            ("", "socket", "session name"),
+            ("taken", "socket", "already open"),
+        )
         for session, backend, message in cases:
             with pytest.raises(grpc.RpcError) as refused:
                 stub.OpenDataPlane(expert_pb2.OpenDataPlaneRequest(session=session, backend=backend), timeout=30)
@@ -218,7 +226,8 @@ def test_nccl_without_a_gpu_is_refused_on_both_sides_naming_gloo(expert_side):
     with grpc.insecure_channel(endpoint) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             expert_pb2_grpc.ExpertWorkerStub(channel).OpenDataPlane(
-                expert_pb2.OpenDataPlaneRequest(session="n", backend="nccl"), timeout=30)  # fmt: skip
+                expert_pb2.OpenDataPlaneRequest(session="n", backend="nccl"), timeout=30
+            )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "(use gloo)" in refused.value.details()
     transport = make_transport("torch-dist", {"expert-0": endpoint}, dist_backend="nccl")
     try:
@@ -242,8 +251,11 @@ def test_framing_carries_empty_and_multi_megabyte_messages_both_ways():
     master = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
     stores = [master, dist.TCPStore("127.0.0.1", master.port, None, False, timeout)]  # one client per rank
     with ThreadPoolExecutor(2) as pool:
-        groups = list(pool.map(lambda rank: pair_group(dist.PrefixStore("t", stores[rank]), rank, "gloo", "127.0.0.1",
-                                                       timeout), (0, 1)))  # fmt: skip
+        groups = list(
+            pool.map(
+                lambda rank: pair_group(dist.PrefixStore("t", stores[rank]), rank, "gloo", "127.0.0.1", timeout), (0, 1)
+            )
+        )
     expert, attention = Framing(groups[0], 1, torch.device("cpu")), Framing(groups[1], 0, torch.device("cpu"))
     big = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     for message in (b"", b"x", big.numpy().tobytes()):

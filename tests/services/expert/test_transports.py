@@ -36,8 +36,9 @@ TRANSPORTS = ["grpc-stream", "torch-dist", "socket"]
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def cluster(request, redis_server, deepseek, tmp_path_factory):
     mesh = f"transport-{request.param}"
-    with expert_cluster(redis_server.url, mesh, tmp_path_factory.mktemp(mesh), deepseek[0], 2,
-                        transport=request.param) as cluster:  # fmt: skip
+    with expert_cluster(
+        redis_server.url, mesh, tmp_path_factory.mktemp(mesh), deepseek[0], 2, transport=request.param
+    ) as cluster:
         yield cluster
 
 
@@ -73,18 +74,22 @@ def test_a_live_placement_change_under_load_fails_nothing(cluster, client, llm):
     workers = [s.name for s in experts(cluster)]
     prompts = make_prompts(seed=5)[:4]
     with steady_traffic(cluster.services["router"], prompts[0]):
-        placement = apply_placement(client, cluster.spec.mesh, twice_on_different_workers(num_layers, num_experts,
-                                                                                          workers), WAIT_TIMEOUT_S)  # fmt: skip
-        wait_until(lambda: all(status(s).active_version == placement.version for s in experts(cluster)),
-                   message="the new placement active")  # fmt: skip
+        placement = apply_placement(
+            client, cluster.spec.mesh, twice_on_different_workers(num_layers, num_experts, workers), WAIT_TIMEOUT_S
+        )
+        wait_until(
+            lambda: all(status(s).active_version == placement.version for s in experts(cluster)),
+            message="the new placement active",
+        )
         assert generate_all(cluster.services["router"], prompts) == expected(llm, prompts)
 
 
 def test_a_killed_expert_worker_with_replicas_elsewhere_fails_nothing(cluster, client, llm):
     num_layers, num_experts = shape(cluster)
     workers = [s.name for s in experts(cluster)]
-    placement = apply_placement(client, cluster.spec.mesh, twice_on_different_workers(num_layers, num_experts,
-                                                                                      workers), WAIT_TIMEOUT_S)  # fmt: skip
+    placement = apply_placement(
+        client, cluster.spec.mesh, twice_on_different_workers(num_layers, num_experts, workers), WAIT_TIMEOUT_S
+    )
     router = cluster.services["router"]
     generate_all(router, make_prompts(seed=6)[:1])  # the worker dispatches with `placement` from here on
     prompts = make_prompts(seed=7)
@@ -93,5 +98,7 @@ def test_a_killed_expert_worker_with_replicas_elsewhere_fails_nothing(cluster, c
         assert cluster.stop_service(workers[1], sig=signal.SIGKILL) == -signal.SIGKILL
         assert generate_all(router, prompts) == expected(llm, prompts)
     cluster.add_expert(workers[1], port)
-    wait_until(lambda: status(cluster.services[workers[1]]).active_version == placement.version,
-               message="the restarted worker serving the active placement")  # fmt: skip
+    wait_until(
+        lambda: status(cluster.services[workers[1]]).active_version == placement.version,
+        message="the restarted worker serving the active placement",
+    )

@@ -26,10 +26,29 @@ def test_moemesh_up_with_two_expert_workers_serves_fp8_deepseek_v3_like_local_ex
     fp8_deepseek, prompts, tmp_path
 ):
     path, hf = fp8_deepseek
-    command = [sys.executable, "-m", "moemesh.cli", "up", "--aggregated", "--experts", "2", "--model", path,
-               "--expert-transport", "torch-dist", "--port", str(free_port()), "--kv-memory-gib", "0.02",
-               "--dtype", "float32",
-               "--num-threads", "1", "--log-dir", str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "moemesh.cli",
+        "up",
+        "--aggregated",
+        "--experts",
+        "2",
+        "--model",
+        path,
+        "--expert-transport",
+        "torch-dist",
+        "--port",
+        str(free_port()),
+        "--kv-memory-gib",
+        "0.02",
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--log-dir",
+        str(tmp_path),
+    ]
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         line = up.stdout.readline()
@@ -38,7 +57,11 @@ def test_moemesh_up_with_two_expert_workers_serves_fp8_deepseek_v3_like_local_ex
         processes = children_of(up.pid)
         assert len(processes) == 5  # redis-server, 2 expert workers, worker, router
         assert sorted(p.name for p in tmp_path.glob("*.log")) == [
-            "local-expert-0.log", "local-expert-1.log", "router.log", "worker-0.log"]  # fmt: skip
+            "local-expert-0.log",
+            "local-expert-1.log",
+            "router.log",
+            "worker-0.log",
+        ]
         ours = generate_all(SimpleNamespace(grpc_endpoint=match.group(1)), prompts)
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         assert ours == [o.token_ids for o in local_engine(path).generate(prompts, greedy)]
