@@ -7,21 +7,16 @@ private server of tests/services/test_faults.py) starts its server through `Redi
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 
 import redis
 
+from moemesh.launcher.ports import free_port
+
 START_TIMEOUT_S = 60.0  # an upper bound for a loaded 2-core machine; start() returns at the first PONG
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def redis_server_binary() -> str:

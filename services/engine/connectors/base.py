@@ -27,7 +27,7 @@ that reads them runs. Saves: a connector that keeps a finished request's blocks 
 returns True) reports the request in `FinishedTransfers.saved` once it has read them; the scheduler
 frees them then.
 
-Cache groups: a request holds one block table per KV cache group (DESIGN.md, "KV state"); block ids
+Cache groups: a request holds one block table per KV cache group (docs/architecture.md); block ids
 travel as `KVBlockIds` (one list per group, in group order) and the paged KV as one `KVCacheGroup`
 per group. Every model has one group today.
 
