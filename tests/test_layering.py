@@ -28,6 +28,8 @@ import tomllib
 
 import pytest
 
+from moemesh.launcher.ports import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
@@ -263,14 +265,6 @@ from moemesh.cli import main
 main(["serve", "--role", "router", "--redis-url", "%(redis)s", "--host", "127.0.0.1",
       "--http-port", "%(port)d", "--grpc-port", "0", "--metrics-port", "0"])
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_report(code: str, cwd) -> list[str]:
