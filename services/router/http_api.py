@@ -207,7 +207,7 @@ def _model_card(name: str) -> dict:
 
 def _inputs(frontend: Frontend, prompts: list[list[int]], body, logprobs: int | None, constraint=None) -> list:
     """One GenerateInput per choice, its parameters checked as the engine checks them.
-    `constraint`: a tool choice's StructuredOutput, exclusive with the body's own."""
+    `constraint`: a tool choice's StructuredOutputSpec, exclusive with the body's own."""
     request_id = uuid.uuid4().hex
     inputs = []
     for p, prompt in enumerate(prompts):

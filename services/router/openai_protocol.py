@@ -24,8 +24,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 from moemesh.contracts.finish_reason import FinishReason
-from moemesh.contracts.sampling import BOUNDS, INT64_MIN, SamplingParams
-from moemesh.contracts.sampling_proto import structured_from_proto
+from moemesh.contracts.sampling import BOUNDS, INT64_MIN, SamplingParams, StructuredOutputSpec
 from moemesh.proto.v1 import common_pb2
 from moemesh.router.dispatcher import InvalidRequest, invalid_request
 from moemesh.router.structured_request import structured_output
@@ -154,7 +153,7 @@ class _SamplingFields(BaseModel):
         return biases
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, choice: int, tool_constraint: common_pb2.StructuredOutput | None
+        self, max_tokens: int, logprobs: int | None, choice: int, tool_constraint: StructuredOutputSpec | None
     ) -> SamplingParams:
         """The engine's parameters of choice `choice` (InvalidRequest naming a field out of bounds).
         `tool_constraint`: a tool choice's grammar, exclusive with the body's own."""
@@ -182,7 +181,7 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 logprobs=logprobs,
                 logit_bias=tuple(self.token_biases().items()),
-                structured_output=structured_from_proto(constraint) if constraint is not None else None,
+                structured_output=constraint,
             )
 
     @property

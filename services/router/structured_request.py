@@ -1,4 +1,5 @@
-"""The structured-output fields of an OpenAI/vLLM request -> one `StructuredOutput` proto.
+"""The structured-output fields of an OpenAI/vLLM request -> one `StructuredOutputSpec`
+(contracts/sampling.py; the dispatcher sends it in the workers' proto).
 
 Accepted (at most one constraint per request):
 - OpenAI `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}`,
@@ -7,7 +8,7 @@ Accepted (at most one constraint per request):
   `guided_grammar`, and its newer `structured_outputs: {json, regex, choice, grammar}`.
 
 The router only checks the shape; the workers compile the grammar against their vocabulary
-(engine/structured_output.py) and a bad schema, regex or grammar comes back as a 400 naming the
+(engine/runner/structured_output.py) and a bad schema, regex or grammar comes back as a 400 naming the
 field. This keeps xgrammar (which imports torch) out of the router.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from moemesh.proto.v1 import common_pb2
+from moemesh.contracts.sampling import StructuredOutputSpec
 from moemesh.router.dispatcher import InvalidRequest
 
 
@@ -23,8 +24,8 @@ def structured_output(
     response_format: dict | None,
     guided: dict[str, object],  # guided_json / guided_regex / guided_choice / guided_grammar, None when unset
     structured_outputs: dict | None,
-) -> common_pb2.StructuredOutput | None:
-    found: list[tuple[str, common_pb2.StructuredOutput]] = []
+) -> StructuredOutputSpec | None:
+    found: list[tuple[str, StructuredOutputSpec]] = []
     if response_format is not None:
         message = _response_format(response_format)
         if message is not None:
@@ -39,19 +40,19 @@ def structured_output(
             if key in ("json", "regex", "choice", "grammar") and value is not None:
                 found.append(("structured_outputs", _constraint(key, value, "structured_outputs")))
             elif key == "json_object" and value:
-                found.append(("structured_outputs", common_pb2.StructuredOutput(json_object=True)))
+                found.append(("structured_outputs", StructuredOutputSpec("json_object")))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise InvalidRequest(f"give at most one output constraint, got {names}", param=found[1][0])
     return found[0][1] if found else None
 
 
-def _response_format(response_format: dict) -> common_pb2.StructuredOutput | None:
+def _response_format(response_format: dict) -> StructuredOutputSpec | None:
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return common_pb2.StructuredOutput(json_object=True)
+        return StructuredOutputSpec("json_object")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
@@ -62,11 +63,11 @@ def _response_format(response_format: dict) -> common_pb2.StructuredOutput | Non
             raise InvalidRequest("response_format.json_schema.name must be a string", param="response_format")
         # no schema: any JSON object (OpenAI requires one; vLLM allows its absence)
         schema = spec.get("schema") or {"type": "object"}
-        return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+        return StructuredOutputSpec("json", json.dumps(schema))
     raise InvalidRequest("response_format.type must be 'text', 'json_object' or 'json_schema'", param="response_format")
 
 
-def _constraint(kind: str, value: object, param: str) -> common_pb2.StructuredOutput:
+def _constraint(kind: str, value: object, param: str) -> StructuredOutputSpec:
     if kind == "json":
         if isinstance(value, str):
             try:
@@ -75,13 +76,11 @@ def _constraint(kind: str, value: object, param: str) -> common_pb2.StructuredOu
                 raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param=param) from None
         if not isinstance(value, dict):
             raise InvalidRequest("the JSON schema must be an object", param=param)
-        return common_pb2.StructuredOutput(json_schema=json.dumps(value))
+        return StructuredOutputSpec("json", json.dumps(value))
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise InvalidRequest("choice must be a non-empty list of non-empty strings", param=param)
-        return common_pb2.StructuredOutput(choice=common_pb2.StructuredOutput.Choices(choices=value))
+        return StructuredOutputSpec("choice", choices=tuple(value))
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{kind} must be a non-empty string", param=param)
-    if kind == "regex":
-        return common_pb2.StructuredOutput(regex=value)
-    return common_pb2.StructuredOutput(grammar=value)
+    return StructuredOutputSpec(kind, value)  # regex or grammar

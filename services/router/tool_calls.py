@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from moemesh.proto.v1 import common_pb2
+from moemesh.contracts.sampling import StructuredOutputSpec
 from moemesh.router.dispatcher import InvalidRequest
 from moemesh.router.tool_parsers import ToolCall, call_pieces
 
@@ -46,9 +46,9 @@ class ToolRequest:
     def prompt_tools(self) -> list[dict] | None:
         return [{"type": "function", "function": f} for f in self.functions.values()] if self.active else None
 
-    def constraint(self) -> common_pb2.StructuredOutput | None:
+    def constraint(self) -> StructuredOutputSpec | None:
         if self.named is not None:  # choice "named"
-            return common_pb2.StructuredOutput(json_schema=json.dumps(_parameters(self.functions[self.named])))
+            return StructuredOutputSpec("json", json.dumps(_parameters(self.functions[self.named])))
         if self.choice == "required":
             calls = [
                 {
@@ -61,7 +61,7 @@ class ToolRequest:
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+            return StructuredOutputSpec("json", json.dumps(schema))
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:

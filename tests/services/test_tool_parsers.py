@@ -90,11 +90,11 @@ def test_bad_tools_or_tool_choice_are_rejected_naming_the_field(tools, choice, m
 
 
 def test_required_and_named_choices_constrain_the_output_to_the_calls_schema():
-    required = json.loads(ToolRequest([TOOL], "required", False, HermesParser()).constraint().json_schema)
+    required = json.loads(ToolRequest([TOOL], "required", False, HermesParser()).constraint().spec)
     assert (required["minItems"], required["maxItems"]) == (1, 1)
     assert required["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
     named = ToolRequest([TOOL], {"type": "function", "function": {"name": "get_weather"}}, True, HermesParser())
-    assert json.loads(named.constraint().json_schema) == {"type": "object"}
+    assert json.loads(named.constraint().spec) == {"type": "object"}
     assert named.parse('{"city": "Oslo"}')[1][0].arguments == '{"city": "Oslo"}'
     assert ToolRequest([TOOL], "auto", True, HermesParser()).constraint() is None
 
