@@ -200,7 +200,10 @@ def test_a_new_worker_is_not_serving_until_its_model_is_loaded_then_joins_the_re
     service = cluster.worker_service("decode-late", "decode")
     cluster._launch(service)
     seen = []
-    with grpc.insecure_channel(service.grpc_endpoint) as channel:
+    # reconnect at once while the process starts: with gRPC's default back-off (1 s, growing) the
+    # first answer can come only after the model has loaded, and NOT_SERVING is never seen
+    fast_reconnect = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 50)]
+    with grpc.insecure_channel(service.grpc_endpoint, options=fast_reconnect) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         def serving() -> bool:
