@@ -22,7 +22,7 @@ import kmock
 import kopf
 import yaml
 
-from moemesh.launcher.redis_server import redis_server_binary
+from moemesh.launcher.redis_server import server_command
 from moemesh.operator.config import OperatorConfig
 from moemesh.operator.handlers import register
 from tests.deploy.kubelet import Node, Pod
@@ -92,21 +92,7 @@ class RedisAt:
     """redis-server bound to one loopback address and port (the Service's), with a password."""
 
     def __init__(self, address: str, port: int, password: str | None, workdir: pathlib.Path):
-        args = [
-            redis_server_binary(),
-            "--bind",
-            address,
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-            "--protected-mode",
-            "no",
-        ]
+        args = server_command(address, port, str(workdir))
         if password:
             args += ["--requirepass", password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
